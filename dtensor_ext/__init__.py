@@ -1,0 +1,12 @@
+"""dtensor_ext: more ops sharded correctly by DTensor, proven against single-device results.
+
+Importing the package installs its rules for the ops the running torch cannot shard; nothing torch already
+shards is touched unless ``install(upgrade=...)`` asks for it.
+"""
+
+from dtensor_ext.registry import RegistryEntry, install, is_installed, registry, single_dim_rule, uninstall
+
+__all__ = ["RegistryEntry", "install", "is_installed", "registry", "single_dim_rule", "uninstall"]
+__version__ = "0.1.0"
+
+install()

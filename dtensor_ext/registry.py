@@ -1,0 +1,231 @@
+"""Which rules the package knows, and putting them into (and taking them out of) DTensor's propagator.
+
+Rules are declared at import time with :func:`single_dim_rule` but only reach torch through :func:`install`,
+which registers an op only where the running torch has no strategy of its own, unless the caller opts in to
+upgrading a torch rule that our tests prove we cover entirely. :func:`uninstall` puts back exactly what was there.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch._ops import OpOverload
+
+from dtensor_ext import _compat
+
+__all__ = ["RuleSpec", "RegistryEntry", "single_dim_rule", "install", "uninstall", "registry", "is_installed"]
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """A single-dim rule as declared by a rules module, before torch sees it."""
+
+    op_name: str  # "aten::mv.default"
+    family: str
+    func: Callable
+    schema_info: _compat.RuntimeSchemaInfo | None
+    allow_uneven_sharding: bool
+    superset_of_torch: bool  # proven by our tests to cover torch's own rule; only then may it replace it
+    where: str
+
+    def resolve(self) -> OpOverload | None:
+        """The overload on the running torch, or None where this torch does not have the op."""
+        namespace, _, rest = self.op_name.partition("::")
+        name, _, overload = rest.partition(".")
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is None:
+            return None
+        return getattr(packet, overload or "default", None)
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    op: str
+    family: str
+    status: str  # "added" | "skipped" | "upgraded" | "absent" (op missing from this torch) | "not installed"
+    # how torch itself shards the op: single_dim / op_strategy / rule, "decomposition" (its generic fallback,
+    # which a direct rule takes precedence over) or None
+    torch_strategy: str | None
+    where: str
+    variant_of: str | None = None
+
+
+_SPECS: dict[str, RuleSpec] = {}
+
+
+def _op_name(op: OpOverload | str) -> str:
+    if isinstance(op, str):
+        name = op if "::" in op else f"aten::{op}"
+        return name if "." in name.partition("::")[2] else f"{name}.default"
+    return f"{op._schema.name}.{op._overloadname}"
+
+
+def single_dim_rule(
+    ops: OpOverload | str | Iterable[OpOverload | str],
+    *,
+    family: str,
+    schema_info: _compat.RuntimeSchemaInfo | None = None,
+    allow_uneven_sharding: bool = True,
+    superset_of_torch: bool = False,
+) -> Callable[[Callable], Callable]:
+    """Declare `func(op, args_meta, kwargs_meta) -> rows` as the single-dim rule of `ops`.
+
+    Ops may be given as strings ("aten::_scaled_grouped_mm_v2.default") so that a rule for an op that only newer
+    torch has can be declared everywhere; on older torch it shows up as "absent".
+    """
+    op_list = [ops] if isinstance(ops, (OpOverload, str)) else list(ops)
+
+    def declare(func: Callable) -> Callable:
+        where = f"{func.__module__}:{inspect.getsourcelines(func)[1]}"
+        for op in op_list:
+            name = _op_name(op)
+            if name in _SPECS:
+                raise ValueError(f"{name}: a rule is already declared at {_SPECS[name].where}; not declaring {where}")
+            _SPECS[name] = RuleSpec(name, family, func, schema_info, allow_uneven_sharding, superset_of_torch, where)
+        return func
+
+    return declare
+
+
+@dataclass
+class _Installed:
+    entries: list[RegistryEntry]
+    previous: dict[OpOverload, dict]  # what the propagator held for each op we touched
+    ours: dict[OpOverload, object]  # what we put there, so uninstall leaves later user registrations alone
+    upgrade: bool | frozenset[str]
+
+
+_state: _Installed | None = None
+
+
+def is_installed() -> bool:
+    return _state is not None
+
+
+def _wants_upgrade(spec: RuleSpec, upgrade: bool | Iterable[str]) -> bool:
+    if not spec.superset_of_torch:
+        return False
+    if upgrade is True:
+        return True
+    return spec.op_name in {_op_name(o) for o in (upgrade or ())}
+
+
+def install(*, upgrade: bool | Iterable[str] = False) -> list[RegistryEntry]:
+    """Register our rules for ops torch cannot shard; with `upgrade`, also replace proven-subset torch rules.
+
+    Installing again with the same options changes nothing; with other options it reinstalls.
+    """
+    global _state
+    _load_rule_modules()
+    for op_name in _normalized_upgrade_names(upgrade):
+        spec = _SPECS.get(op_name)
+        if spec is None or not spec.superset_of_torch:
+            raise ValueError(
+                f"upgrade={op_name!r}: only rules proven to be supersets of torch's may replace them; "
+                f"candidates: {sorted(s.op_name for s in _SPECS.values() if s.superset_of_torch)}"
+            )
+
+    if _state is not None:
+        if _state.upgrade == _freeze(upgrade):
+            return _state.entries
+        uninstall()
+    prop = _compat.propagator()
+    before = set(prop.op_single_dim_strategy_funcs)
+    entries: list[RegistryEntry] = []
+    previous: dict[OpOverload, dict] = {}
+    registered: dict[OpOverload, RuleSpec] = {}
+    for spec in _SPECS.values():
+        op = spec.resolve()
+        if op is None:
+            entries.append(RegistryEntry(spec.op_name, spec.family, "absent", None, spec.where))
+            continue
+        torch_kind = _compat.torch_strategy_kind(op)
+        if torch_kind in _compat.DIRECT_STRATEGY_KINDS and not _wants_upgrade(spec, upgrade):
+            entries.append(RegistryEntry(spec.op_name, spec.family, "skipped", torch_kind, spec.where))
+            continue
+        previous[op] = _compat.snapshot_registration(op)
+        _compat.restore_registration(op, {})  # a single-dim entry must not sit beside a stale op_strategy
+        _compat.register_single_dim(
+            op, spec.func, schema_info=spec.schema_info, allow_uneven_sharding=spec.allow_uneven_sharding
+        )
+        registered[op] = spec
+        status = "upgraded" if torch_kind in _compat.DIRECT_STRATEGY_KINDS else "added"
+        entries.append(RegistryEntry(spec.op_name, spec.family, status, torch_kind, spec.where))
+
+    _compat.auto_register_variants()
+    for op in set(prop.op_single_dim_strategy_funcs) - before - set(registered):
+        previous[op] = {}
+        base = _variant_base(op, registered)
+        entries.append(
+            RegistryEntry(
+                _op_name(op),
+                base.family if base else "variant",
+                "added",
+                None,
+                base.where if base else "torch autogen",
+                variant_of=base.op_name if base else None,
+            )
+        )
+    ours = {op: prop.op_single_dim_strategy_funcs[op] for op in previous}
+    _state = _Installed(entries, previous, ours, _freeze(upgrade))
+    _compat.clear_sharding_caches()
+    return entries
+
+
+def uninstall() -> None:
+    """Put back every registration install() touched, exactly as it was, and clear both caches."""
+    global _state
+    if _state is None:
+        return
+    prop = _compat.propagator()
+    for op, snapshot in _state.previous.items():
+        if prop.op_single_dim_strategy_funcs.get(op) is _state.ours[op]:
+            _compat.restore_registration(op, snapshot)
+    _state = None
+    _compat.clear_sharding_caches()
+
+
+def registry() -> list[RegistryEntry]:
+    """Every op the package knows, with its status on the running torch."""
+    if _state is not None:
+        return list(_state.entries)
+    _load_rule_modules()
+    return [
+        RegistryEntry(s.op_name, s.family, "not installed", _torch_kind_of(s), s.where) for s in _SPECS.values()
+    ]
+
+
+def declared_rules() -> dict[str, RuleSpec]:
+    _load_rule_modules()
+    return dict(_SPECS)
+
+
+def _torch_kind_of(spec: RuleSpec) -> str | None:
+    op = spec.resolve()
+    return None if op is None else _compat.torch_strategy_kind(op)
+
+
+def _variant_base(op: OpOverload, registered: dict[OpOverload, RuleSpec]) -> RuleSpec | None:
+    """Map an autogen variant (mv.out, addmv_) back to the rule it was derived from."""
+    name = op._schema.name.removesuffix("_")
+    for base, spec in registered.items():
+        if base._schema.name == name:
+            return spec
+    return None
+
+
+def _normalized_upgrade_names(upgrade: bool | Iterable[str]) -> list[str]:
+    if isinstance(upgrade, bool):
+        return []
+    return [_op_name(o) for o in upgrade]
+
+
+def _freeze(upgrade: bool | Iterable[str]) -> bool | frozenset[str]:
+    return upgrade if isinstance(upgrade, bool) else frozenset(_normalized_upgrade_names(upgrade))
+
+
+def _load_rule_modules() -> None:
+    import dtensor_ext.rules  # noqa: F401  (declares every family)

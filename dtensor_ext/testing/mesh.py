@@ -1,0 +1,95 @@
+"""Simulated device meshes: every rank of a mesh in one process.
+
+A fake process group supplies the ranks' identities and ``LocalTensorMode`` makes every tensor hold one value
+per rank, so DTensor code (propagation, redistribution, collectives) runs unchanged and each rank's shard can be
+inspected. Make plain input tensors before entering a mesh: inside it, factories build per-rank tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dtensor_ext._compat import LocalTensor, LocalTensorMode
+
+__all__ = ["MESH_SHAPES", "simulated_mesh", "rank_coordinates", "local_values", "active_mode"]
+
+# The meshes every rule is proven on: 1-D with 2 and 4 ranks, 2-D 2x2, 3-D 2x2x2.
+MESH_SHAPES: dict[str, tuple[int, ...]] = {"1d2": (2,), "1d4": (4,), "2d": (2, 2), "3d": (2, 2, 2)}
+
+
+def _validated_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not dims or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims):
+        raise ValueError(f"mesh shape {shape!r}: expected one or more positive integers, e.g. (2, 2)")
+    return dims
+
+
+def _ensure_fake_world(world_size: int) -> None:
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        if backend != "fake":
+            raise RuntimeError(
+                f"a real process group ({backend}) is initialized; simulated meshes need the 'fake' backend "
+                "in a process of its own"
+            )
+        if dist.get_world_size() == world_size:
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size)
+
+
+@contextlib.contextmanager
+def simulated_mesh(
+    shape: int | Sequence[int], *, device_type: str = "cpu", mesh_dim_names: Sequence[str] | None = None
+) -> Iterator[DeviceMesh]:
+    """A DeviceMesh of ``shape`` whose ranks all live in this process (fake group + LocalTensorMode)."""
+    dims = _validated_shape(shape)
+    if mesh_dim_names is not None and len(mesh_dim_names) != len(dims):
+        raise ValueError(f"mesh_dim_names {tuple(mesh_dim_names)} must name each of the {len(dims)} mesh dims")
+    world = math.prod(dims)
+    _ensure_fake_world(world)
+    with LocalTensorMode(frozenset(range(world))):
+        yield init_device_mesh(
+            device_type, dims, mesh_dim_names=tuple(mesh_dim_names) if mesh_dim_names else None
+        )
+
+
+def active_mode() -> LocalTensorMode:
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    mode = local_tensor_mode()
+    if mode is None:
+        raise RuntimeError("not inside a simulated mesh (LocalTensorMode is not active)")
+    return mode
+
+
+def rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
+    """Each global rank's coordinate on the mesh."""
+    layout = mesh.mesh
+    return {int(layout[idx]): idx for idx in _indices(tuple(layout.shape))}
+
+
+def _indices(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    if not shape:
+        yield ()
+        return
+    for head in range(shape[0]):
+        for tail in _indices(shape[1:]):
+            yield (head, *tail)
+
+
+def local_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    """rank -> that rank's plain tensor, for a LocalTensor (or a DTensor wrapping one)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if not isinstance(t, LocalTensor):
+        raise TypeError(f"expected a LocalTensor from a simulated mesh, got {type(t).__name__}")
+    return dict(t._local_tensors)

@@ -1,0 +1,107 @@
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dtensor_ext
+from dtensor_ext import _compat
+from dtensor_ext.registry import declared_rules
+
+aten = torch.ops.aten
+
+
+def _propagator_tables():
+    prop = _compat.propagator()
+    return {
+        name: dict(getattr(prop, name))
+        for name in ("op_single_dim_strategy_funcs", "op_strategy_funcs", "op_to_rules", "op_to_schema_info")
+    }
+
+
+def test_import_installs_matmul_family_as_added():
+    entries = {e.op: e for e in dtensor_ext.registry()}
+    for op in ("aten::mv.default", "aten::addmv.default", "aten::addr.default", "aten::vdot.default",
+               "aten::addbmm.default", "aten::_trilinear.default"):
+        assert entries[op].family == "matmul"
+        assert entries[op].status == "added", entries[op]
+        assert entries[op].torch_strategy in (None, "decomposition")
+        assert entries[op].where.startswith("dtensor_ext.rules.matmul:")
+    assert aten.mv.default in _compat.propagator().op_single_dim_strategy_funcs
+
+
+def test_variants_are_derived_and_attributed():
+    entries = {e.op: e for e in dtensor_ext.registry()}
+    assert entries["aten::addmv_.default"].variant_of == "aten::addmv.default"
+    assert entries["aten::mv.out"].variant_of == "aten::mv.default"
+    assert aten.mv.out in _compat.propagator().op_single_dim_strategy_funcs
+
+
+def test_uninstall_restores_torch_exactly_and_install_puts_back():
+    dtensor_ext.uninstall()
+    try:
+        pristine = _propagator_tables()
+        assert aten.mv.default not in pristine["op_single_dim_strategy_funcs"]
+        assert aten.mm.default in pristine["op_single_dim_strategy_funcs"]
+        dtensor_ext.install()
+        assert aten.mv.default in _compat.propagator().op_single_dim_strategy_funcs
+        dtensor_ext.uninstall()
+        assert _propagator_tables() == pristine
+    finally:
+        dtensor_ext.install()
+
+
+def test_install_twice_changes_nothing():
+    before = _propagator_tables()
+    entries = dtensor_ext.install()
+    assert _propagator_tables() == before
+    assert entries == dtensor_ext.registry()
+
+
+def test_torch_rules_are_skipped_not_replaced():
+    # dot is sharded by torch itself; a rule declared for it must be reported "skipped" and leave torch's in place.
+    torch_dot = _compat.propagator().op_strategy_funcs[aten.dot.default]
+    assert "aten::dot.default" not in declared_rules()
+    dtensor_ext.uninstall()
+    try:
+        dtensor_ext.single_dim_rule("aten::dot", family="test")(lambda op, a, k: [])
+        entries = {e.op: e for e in dtensor_ext.install()}
+        assert entries["aten::dot.default"].status == "skipped"
+        assert entries["aten::dot.default"].torch_strategy == "op_strategy"
+        assert _compat.propagator().op_strategy_funcs[aten.dot.default] is torch_dot
+    finally:
+        dtensor_ext.uninstall()
+        registry_module = importlib.import_module("dtensor_ext.registry")
+        del registry_module._SPECS["aten::dot.default"]
+        dtensor_ext.install()
+
+
+def test_upgrade_refuses_rules_not_proven_supersets():
+    with pytest.raises(ValueError, match="only rules proven to be supersets"):
+        dtensor_ext.install(upgrade=["aten::mv"])
+    assert dtensor_ext.is_installed()
+
+
+def test_clears_both_caches_on_uninstall(mesh_1d2):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # addbmm has no torch strategy at all (not even the decomposition fallback)
+    bias, b1, b2 = torch.randn(3, 5), torch.randn(4, 3, 6), torch.randn(4, 6, 5)
+    args = [distribute_tensor(t, mesh_1d2, [Shard(0)]) for t in (bias, b1, b2)]
+    torch.addbmm(*args)  # propagates and caches with our rule
+    dtensor_ext.uninstall()
+    try:
+        with pytest.raises(NotImplementedError):
+            torch.addbmm(*args)  # a stale cache entry would have answered with our rule
+    finally:
+        dtensor_ext.install()
+
+
+def test_import_in_fresh_interpreter_registers_once():
+    code = (
+        "import dtensor_ext, importlib; n = len(dtensor_ext.registry()); "
+        "importlib.reload(dtensor_ext); assert len(dtensor_ext.registry()) == n; print(n)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip()) > 0
