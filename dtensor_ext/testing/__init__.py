@@ -12,7 +12,7 @@ from dtensor_ext.testing.checker import (
     format_placement,
     sample_tensor,
 )
-from dtensor_ext.testing.mesh import MESH_SHAPES, local_values, rank_coordinates, simulated_mesh
+from dtensor_ext.testing.mesh import MESH_SHAPES, local_values, place_dtensor, rank_coordinates, simulated_mesh
 
 __all__ = [
     "MESH_SHAPES",
@@ -23,6 +23,7 @@ __all__ = [
     "check_rule",
     "format_placement",
     "local_values",
+    "place_dtensor",
     "rank_coordinates",
     "sample_tensor",
     "simulated_mesh",

@@ -38,7 +38,7 @@ def sim_mesh(request):
         yield mesh
 
 
-@pytest.fixture(params=list(MESH_SHAPES.values()), ids=list(MESH_SHAPES))
+@pytest.fixture(scope="session", params=list(MESH_SHAPES.values()), ids=list(MESH_SHAPES))
 def mesh_shape(request):
     """The proving mesh shapes, for checks that need no live mesh (the rule checker)."""
     return request.param

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtensor_ext._compat import LocalTensor, LocalTensorMode
 
-__all__ = ["MESH_SHAPES", "simulated_mesh", "rank_coordinates", "local_values", "active_mode"]
+__all__ = ["MESH_SHAPES", "simulated_mesh", "rank_coordinates", "local_values", "place_dtensor"]
 
 # The meshes every rule is proven on: 1-D with 2 and 4 ranks, 2-D 2x2, 3-D 2x2x2.
 MESH_SHAPES: dict[str, tuple[int, ...]] = {"1d2": (2,), "1d4": (4,), "2d": (2, 2), "3d": (2, 2, 2)}
@@ -60,15 +60,6 @@ def simulated_mesh(
         )
 
 
-def active_mode() -> LocalTensorMode:
-    from torch.distributed._local_tensor import local_tensor_mode
-
-    mode = local_tensor_mode()
-    if mode is None:
-        raise RuntimeError("not inside a simulated mesh (LocalTensorMode is not active)")
-    return mode
-
-
 def rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
     """Each global rank's coordinate on the mesh."""
     layout = mesh.mesh
@@ -93,3 +84,19 @@ def local_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
     if not isinstance(t, LocalTensor):
         raise TypeError(f"expected a LocalTensor from a simulated mesh, got {type(t).__name__}")
     return dict(t._local_tensors)
+
+
+def place_dtensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence) -> torch.Tensor:
+    """A DTensor on a simulated mesh holding `tensor` under any placements, Partial included.
+
+    DTensor refuses to redistribute to Partial; this builds each rank's piece directly (the checker's layout),
+    so tests can start from Partial inputs.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_ext.testing.layout import place
+
+    pieces = place(tensor, tuple(placements), tuple(mesh.shape), rank_coordinates(mesh))
+    return DTensor.from_local(
+        LocalTensor(pieces), mesh, tuple(placements), run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
