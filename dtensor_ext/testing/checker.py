@@ -236,12 +236,20 @@ def _registered_rule(op: OpOverload) -> Callable:
     return getattr(func, "__wrapped__", func)
 
 
-def _run_combination(sample: _Sample, combo: Combination, mesh_shape, coords, layout) -> str | None:
-    """None if the combination is valid on this sample, else the reason it is not."""
+def _run_combination(
+    sample: _Sample, combo: Combination, mesh_shape, coords, layout, placed: dict | None = None
+) -> str | None:
+    """None if the combination is valid on this sample, else the reason it is not.
+
+    placed: a cache of inputs already placed, shared across the combinations of one check (placing dominates).
+    """
+    placed = {} if placed is None else placed
     try:
-        per_input = [
-            place(t, ps, mesh_shape, coords, salt=i) for i, (t, ps) in enumerate(zip(sample.tensors, combo.inputs))
-        ]
+        per_input = []
+        for i, (t, ps) in enumerate(zip(sample.tensors, combo.inputs)):
+            if (i, ps) not in placed:
+                placed[i, ps] = place(t, ps, mesh_shape, coords, salt=i)
+            per_input.append(placed[i, ps])
     except NotImplementedError as e:
         return f"untestable input: {e}"
     outputs_by_rank = {}
@@ -322,12 +330,13 @@ def check_rule(
     if max_combinations is not None and len(combos) > max_combinations:
         stride = len(combos) / max_combinations
         combos = [combos[int(i * stride)] for i in range(max_combinations)]
+    placed: dict = {}
     for per_mesh_dim in combos:
         combo = Combination(
             inputs=tuple(tuple(row[n_out + i] for row in per_mesh_dim) for i in range(len(sample.tensors))),
             outputs=tuple(tuple(row[j] for row in per_mesh_dim) for j in range(n_out)),
         )
-        reason = _run_combination(sample, combo, mesh_shape, coords, layout)
+        reason = _run_combination(sample, combo, mesh_shape, coords, layout, placed)
         report.checked += 1
         if reason is not None:
             report.failures.append(Failure(combo, reason, _repro(op, sample.args, sample.kwargs, mesh_shape, combo)))

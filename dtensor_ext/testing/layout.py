@@ -10,6 +10,7 @@ checkerboard decides which rank holds the true value and the others hold values 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -34,8 +35,9 @@ def chunk_sizes(size: int, parts: int) -> list[int]:
     return sizes
 
 
-def _pattern(shape: torch.Size, salt: int, period: int = 2) -> torch.Tensor:
-    """0..period-1 cycling along every dim (a flat-index pattern can be uniform along one dim)."""
+@functools.lru_cache(maxsize=4096)
+def _pattern(shape: tuple[int, ...], salt: int, period: int = 2) -> torch.Tensor:
+    """0..period-1 cycling along every dim (a flat-index pattern can be uniform along one dim). Never mutate."""
     if len(shape) == 0:
         return torch.tensor(salt % period)
     grids = torch.meshgrid(*[torch.arange(s) for s in shape], indexing="ij")
@@ -45,7 +47,7 @@ def _pattern(shape: torch.Size, salt: int, period: int = 2) -> torch.Tensor:
 def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, salt: int) -> torch.Tensor:
     if parts == 1:
         return value.clone()
-    checker = _pattern(value.shape, salt + coord)
+    checker = _pattern(tuple(value.shape), salt + coord)
     if value.dtype == torch.bool:
         raise NotImplementedError("Partial placements of bool tensors are not defined")
     floating = value.is_floating_point() or value.is_complex()
@@ -54,13 +56,13 @@ def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, 
             raise NotImplementedError("Partial(avg) of an integer tensor cannot be split exactly")
         if floating:
             head = 0.6 + 0.1 * (salt % 3)
-            offset = (value.abs() + 1) * (1 - 2 * _pattern(value.shape, salt)).to(value.dtype)
+            offset = (value.abs() + 1) * (1 - 2 * _pattern(tuple(value.shape), salt)).to(value.dtype)
             if coord == 0:
                 piece = value * head + offset
             else:
                 piece = value * ((1 - head) / (parts - 1)) - offset / (parts - 1)
         else:
-            offset = (1 - 2 * _pattern(value.shape, salt)).to(value.dtype) * (salt % 3 + 1)
+            offset = (1 - 2 * _pattern(tuple(value.shape), salt)).to(value.dtype) * (salt % 3 + 1)
             piece = value - offset * (parts - 1) if coord == 0 else offset.expand(value.shape).clone()
         return piece * parts if reduce_op == "avg" else piece
     if reduce_op in ("max", "min"):
@@ -69,7 +71,7 @@ def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, 
         span = (value.max() - value.min()).abs() * 2 + 1
         far = value - span if reduce_op == "max" else value + span
         # the rank that holds the true value differs per element, so index-returning ops see disagreeing ranks
-        holder = _pattern(value.shape, salt, parts)
+        holder = _pattern(tuple(value.shape), salt, parts)
         return torch.where(holder == coord, value, far.to(value.dtype))
     raise NotImplementedError(f"Partial({reduce_op!r}) inputs are not supported by the checker")
 
