@@ -47,7 +47,6 @@ def _pattern(shape: tuple[int, ...], salt: int, period: int = 2) -> torch.Tensor
 def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, salt: int) -> torch.Tensor:
     if parts == 1:
         return value.clone()
-    checker = _pattern(tuple(value.shape), salt + coord)
     if value.dtype == torch.bool:
         raise NotImplementedError("Partial placements of bool tensors are not defined")
     floating = value.is_floating_point() or value.is_complex()
@@ -66,6 +65,8 @@ def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, 
             piece = value - offset * (parts - 1) if coord == 0 else offset.expand(value.shape).clone()
         return piece * parts if reduce_op == "avg" else piece
     if reduce_op in ("max", "min"):
+        if value.is_complex():
+            raise NotImplementedError("Partial(max/min) of a complex tensor is not defined")
         if value.numel() == 0:
             return value.clone()
         span = (value.max() - value.min()).abs() * 2 + 1
