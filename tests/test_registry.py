@@ -60,20 +60,22 @@ def test_install_twice_changes_nothing():
 
 
 def test_torch_rules_are_skipped_not_replaced():
-    # dot is sharded by torch itself; a rule declared for it must be reported "skipped" and leave torch's in place.
-    torch_dot = _compat.propagator().op_strategy_funcs[aten.dot.default]
-    assert "aten::dot.default" not in declared_rules()
+    # mm is sharded by torch itself; a rule declared for it must be reported "skipped" and leave torch's in place.
+    torch_kind = _compat.torch_strategy_kind(aten.mm.default)
+    assert torch_kind in _compat.DIRECT_STRATEGY_KINDS
+    torch_mm = _compat.snapshot_registration(aten.mm.default)
+    assert "aten::mm.default" not in declared_rules()
     dtensor_ext.uninstall()
     try:
-        dtensor_ext.single_dim_rule("aten::dot", family="test")(lambda op, a, k: [])
+        dtensor_ext.single_dim_rule("aten::mm", family="test")(lambda op, a, k: [])
         entries = {e.op: e for e in dtensor_ext.install()}
-        assert entries["aten::dot.default"].status == "skipped"
-        assert entries["aten::dot.default"].torch_strategy == "op_strategy"
-        assert _compat.propagator().op_strategy_funcs[aten.dot.default] is torch_dot
+        assert entries["aten::mm.default"].status == "skipped"
+        assert entries["aten::mm.default"].torch_strategy == torch_kind
+        assert _compat.snapshot_registration(aten.mm.default) == torch_mm
     finally:
         dtensor_ext.uninstall()
         registry_module = importlib.import_module("dtensor_ext.registry")
-        del registry_module._SPECS["aten::dot.default"]
+        del registry_module._SPECS["aten::mm.default"]
         dtensor_ext.install()
 
 
