@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_ext
@@ -47,8 +47,9 @@ class Attention(nn.Module):
         # -1 heads: under tensor parallelism each rank holds heads / tp of them
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
-        attn = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        # the causal mask is derived from the scores so it takes their layout (local tensor or DTensor alike)
+        causal_mask = torch.full_like(scores, float("-inf")).triu(1)
+        attn = (scores + causal_mask).softmax(-1) @ v
         return self.wo(attn.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -88,18 +89,38 @@ TP_PLAN = {
 }
 
 
-def check_mesh(ranks: int, cfg: BlockConfig) -> None:
+# The same plan on a 2-D (dp, tp) mesh, written as placements: (data-parallel dim, tensor-parallel dim).
+TP_DIMS_2D = {"attn.wq": 0, "attn.wk": 0, "attn.wv": 0, "attn.wo": 1, "mlp.gate": 0, "mlp.up": 0, "mlp.down": 1}
+
+
+def check_mesh(mesh_shape: tuple[int, ...], cfg: BlockConfig) -> None:
+    if not 1 <= len(mesh_shape) <= 2 or any(d < 1 for d in mesh_shape):
+        raise ValueError(
+            f"mesh {mesh_shape}: expected (tp,) or (dp, tp) with positive sizes, e.g. (4,) or (2, 2)"
+        )
+    tp = mesh_shape[-1]
     for what, size in (("heads", cfg.heads), ("hidden", cfg.hidden)):
-        if ranks < 1 or size % ranks:
+        if size % tp:
             raise ValueError(
-                f"mesh of {ranks} tensor-parallel ranks: {what}={size} must be a multiple of the rank count "
-                f"(try --ranks in {[r for r in range(1, size + 1) if size % r == 0 and cfg.heads % r == 0]})"
+                f"mesh {mesh_shape}: {what}={size} must be a multiple of the {tp} tensor-parallel ranks "
+                f"(tensor-parallel sizes that fit: {[r for r in range(1, cfg.heads + 1) if cfg.heads % r == 0]})"
             )
+    if len(mesh_shape) == 2 and cfg.batch < mesh_shape[0]:
+        raise ValueError(f"mesh {mesh_shape}: batch={cfg.batch} is smaller than the {mesh_shape[0]} data-parallel ranks")
+
+
+def _shard_2d(model: Block, mesh) -> None:
+    """dp x tp: weights replicated over dp and sharded over tp as in TP_PLAN; DTensor propagation does the rest."""
+    for name, module in model.named_modules():
+        for pname, param in list(module.named_parameters(recurse=False)):
+            tp_dim = TP_DIMS_2D.get(name)
+            placements = [Replicate(), Replicate() if tp_dim is None else Shard(tp_dim)]
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param.data, mesh, placements)))
 
 
 @dataclass
 class DemoResult:
-    ranks: int
+    mesh_shape: tuple[int, ...]
     loss: float
     reference_loss: float
     max_grad_error: float
@@ -111,8 +132,9 @@ class DemoResult:
     rules_used: list
 
 
-def run_demo(ranks: int = 4, cfg: BlockConfig = BlockConfig(), seed: int = 0) -> DemoResult:
-    check_mesh(ranks, cfg)
+def run_demo(mesh_shape: tuple[int, ...] = (4,), cfg: BlockConfig = BlockConfig(), seed: int = 0) -> DemoResult:
+    mesh_shape = tuple(mesh_shape)
+    check_mesh(mesh_shape, cfg)
     start = time.perf_counter()
     torch.manual_seed(seed)
     reference = Block(cfg)
@@ -124,13 +146,19 @@ def run_demo(ranks: int = 4, cfg: BlockConfig = BlockConfig(), seed: int = 0) ->
     ref_loss = F.mse_loss(ref_out, target)
     ref_loss.backward()
 
-    with simulated_mesh((ranks,), mesh_dim_names=("tp",)) as mesh:
-        parallelize_module(model, mesh, TP_PLAN)
-        for norm in (model.attn_norm, model.mlp_norm):  # norms: replicated parameters on the same mesh
-            distribute_module(norm, mesh)
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    with simulated_mesh(mesh_shape, mesh_dim_names=names) as mesh:
+        if len(mesh_shape) == 1:
+            parallelize_module(model, mesh, TP_PLAN)
+            for norm in (model.attn_norm, model.mlp_norm):  # norms: replicated parameters on the same mesh
+                distribute_module(norm, mesh)
+            batch_layout = [Replicate()]
+        else:
+            _shard_2d(model, mesh)
+            batch_layout = [Shard(0), Replicate()]
         with CommStatsMode() as mode:
-            out = model(distribute_tensor(x, mesh, [Replicate()]))
-            loss = F.mse_loss(out.full_tensor() if isinstance(out, DTensor) else out, target)
+            out = model(distribute_tensor(x, mesh, batch_layout))
+            loss = F.mse_loss(out, distribute_tensor(target, mesh, batch_layout))
             loss.backward()
         out_err = _max_error(out, ref_out)
         grad_err = max(
@@ -142,7 +170,7 @@ def run_demo(ranks: int = 4, cfg: BlockConfig = BlockConfig(), seed: int = 0) ->
     ours = {e.op for e in dtensor_ext.registry() if e.status in ("added", "upgraded")}
     used = sorted(op for op in stats.sharded_ops if _op_name(op) in ours)
     return DemoResult(
-        ranks, loss_value, ref_loss.item(), grad_err, out_err, dict(stats.sharded_ops), dict(stats.collectives),
+        mesh_shape, loss_value, ref_loss.item(), grad_err, out_err, dict(stats.sharded_ops), dict(stats.collectives),
         dict(stats.payload_bytes), time.perf_counter() - start, used,
     )
 
@@ -170,7 +198,9 @@ def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def format_result(r: DemoResult) -> str:
     lines = [
-        f"transformer block, tensor parallel on a simulated {r.ranks}-rank mesh vs one device ({r.seconds:.1f}s)",
+        f"transformer block on a simulated {'x'.join(map(str, r.mesh_shape))} mesh "
+        f"({'tensor parallel' if len(r.mesh_shape) == 1 else 'data x tensor parallel'}) vs one device "
+        f"({r.seconds:.1f}s)",
         f"  loss {r.loss:.6f} (one device {r.reference_loss:.6f}); max |output error| {r.max_output_error:.2e}; "
         f"max |grad error| {r.max_grad_error:.2e}",
         f"  ops that ran on sharded inputs: {sum(r.sharded_ops.values())} calls of {len(r.sharded_ops)} ops",
@@ -186,28 +216,26 @@ def format_result(r: DemoResult) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=None, help="tensor-parallel ranks (default 4)")
-    parser.add_argument("--mesh", type=str, default=None, help="mesh shape, e.g. 4 (one tensor-parallel dim)")
+    parser.add_argument("--ranks", type=int, default=None, help="tensor-parallel ranks of a 1-D mesh (default 4)")
+    parser.add_argument("--mesh", type=str, default=None, help="mesh shape: 'tp' or 'dp,tp', e.g. 4 or 2,2")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def parse_ranks(args: argparse.Namespace) -> int:
+def parse_mesh(args: argparse.Namespace) -> tuple[int, ...]:
     if args.mesh is None:
-        return 4 if args.ranks is None else args.ranks
+        return (4 if args.ranks is None else args.ranks,)
     try:
-        shape = [int(s) for s in args.mesh.split(",")]
+        shape = tuple(int(s) for s in args.mesh.split(","))
     except ValueError:
-        raise SystemExit(f"--mesh {args.mesh!r}: expected comma-separated positive integers, e.g. 4") from None
-    if len(shape) != 1 or shape[0] < 1:
-        raise SystemExit(f"--mesh {args.mesh!r}: the demo shards one tensor-parallel mesh dim; give one size, e.g. 4")
-    if args.ranks is not None and args.ranks != shape[0]:
-        raise SystemExit(f"--ranks {args.ranks} disagrees with --mesh {args.mesh}")
-    return shape[0]
+        raise SystemExit(f"--mesh {args.mesh!r}: expected comma-separated positive integers, e.g. 4 or 2,2") from None
+    if args.ranks is not None and args.ranks != shape[-1]:
+        raise SystemExit(f"--ranks {args.ranks} disagrees with the tensor-parallel size of --mesh {args.mesh}")
+    return shape
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = run_demo(parse_ranks(args), seed=args.seed)
+        result = run_demo(parse_mesh(args), seed=args.seed)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     print(format_result(result))

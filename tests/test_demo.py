@@ -6,8 +6,11 @@ import pytest
 from dtensor_ext.demo import BlockConfig, check_mesh, run_demo
 
 
+SMALL = BlockConfig(dim=32, heads=4, hidden=64, batch=2, seq=8)
+
+
 def test_demo_matches_one_device_and_reports_collectives():
-    result = run_demo(ranks=4, cfg=BlockConfig(dim=32, heads=4, hidden=64, batch=2, seq=8))
+    result = run_demo((4,), cfg=SMALL)
     assert abs(result.loss - result.reference_loss) < 1e-5
     assert result.max_grad_error < 1e-4 and result.max_output_error < 1e-4
     assert result.sharded_ops["aten.mm.default"] > 0
@@ -16,9 +19,20 @@ def test_demo_matches_one_device_and_reports_collectives():
     assert result.payload_bytes["all_reduce"] >= 2 * 2 * 8 * 32 * 4
 
 
-def test_impossible_mesh_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="heads=4 must be a multiple"):
-        check_mesh(3, BlockConfig(dim=32, heads=4, hidden=64))
+def test_data_by_tensor_parallel_mesh_matches_one_device_through_our_loss_rule():
+    # torch 2.13 alone gets the batch-sharded mse_loss gradient wrong by the data-parallel factor
+    result = run_demo((2, 2), cfg=SMALL)
+    assert result.max_grad_error < 1e-4 and result.max_output_error < 1e-4
+    assert "aten.mse_loss_backward.default" in result.rules_used
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [((3,), "heads=4 must be a multiple"), ((4, 2), "batch=2 is smaller"), ((2, 2, 2), "expected \\(tp,\\)")],
+)
+def test_impossible_mesh_is_refused_with_the_reason(shape, message):
+    with pytest.raises(ValueError, match=message):
+        check_mesh(shape, SMALL)
 
 
 def test_cli_rejects_a_malformed_mesh():
