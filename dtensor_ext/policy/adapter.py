@@ -116,7 +116,7 @@ def build_plan(
             graph, policy, cfg if cfg is not None else PolicyConfig(mesh))
     chosen, free = {}, []
     for decision in decisions:
-        styled = _module_style(graph, decision)
+        styled = _module_style(graph, decision, chosen)
         if styled is not None:
             chosen[decision.node.fqn] = styled
         else:
@@ -221,17 +221,41 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
     return [decisions[i] for i in sorted(decisions)], recompute_ids, stage_ids, list(hooks)
 
 
-def _module_style(graph: GraphView, d: _Decision):
-    """(kind, sequence dim, op, source) where the decision is a ParallelStyle of the op's module, else None."""
+def _module_style(graph: GraphView, d: _Decision, chosen: dict):
+    """(kind, sequence dim, op, source) where the decision is a ParallelStyle of the op's module, else None.
+
+    Where both column- and row-parallel are allowed, pair them as Megatron does: row-parallel when the op's
+    input derives from a column-parallel output (already sharded on features), column-parallel otherwise."""
     kinds = module_style_kind(d.node, graph)
     if kinds is None or not d.allowed:
         return None
-    for partition in d.allowed:
-        if partition in kinds:
-            return (*kinds[partition], d.node, d.source)
-    options = ", ".join(f"{i},{dim} ({kind})" for (i, dim), (kind, _) in kinds.items())
-    raise PolicyError(d.source, "allowed_partition_dims", [f"{i},{dim}" for i, dim in d.allowed],
-                      f"a partition of {d.node} that a ParallelStyle implements: {options}")
+    options = [kinds[p] for p in d.allowed if p in kinds]
+    if not options:
+        listed = ", ".join(f"{i},{dim} ({kind})" for (i, dim), (kind, _) in kinds.items())
+        raise PolicyError(d.source, "allowed_partition_dims", [f"{i},{dim}" for i, dim in d.allowed],
+                          f"a partition of {d.node} that a ParallelStyle implements: {listed}")
+    by_kind = {kind: (kind, seq) for kind, seq in reversed(options)}
+    if "colwise" in by_kind and "rowwise" in by_kind:
+        colwise_ops = {node.index for kind, _, node, _ in chosen.values() if kind == "colwise"}
+        pick = "rowwise" if _derives_from(graph, d.node.input_ids[0], colwise_ops, chosen) else "colwise"
+        return (*by_kind[pick], d.node, d.source)
+    return (*options[0], d.node, d.source)
+
+
+def _derives_from(graph: GraphView, tensor_id: int | None, targets: set[int], chosen: dict) -> bool:
+    """Whether the tensor is computed from one of the `targets` ops through ops that are not module styles."""
+    styled = {node.index for _, _, node, _ in chosen.values()}
+    todo, seen = [tensor_id] if tensor_id is not None else [], set()
+    while todo:
+        producer = graph.producer(todo.pop())
+        if producer is None or producer.index in seen:
+            continue
+        seen.add(producer.index)
+        if producer.index in targets:
+            return True
+        if producer.index not in styled:
+            todo.extend(i for i in producer.input_ids if i is not None)
+    return False
 
 
 def _op_constraints(graph: GraphView, free: list[_Decision]) -> list[OpConstraint]:
