@@ -187,7 +187,7 @@ def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint],
 
 
 def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
-    decisions, recompute_ids, stage_ids, hooks = {}, {}, {}, {}
+    decisions, recompute_ids, stage_ids, hooks, planned = {}, {}, {}, {}, set()
     for k, plan in enumerate(policy(graph, cfg)):
         where = f"policy OpPlan #{k}"
         if not isinstance(plan, OpPlan):
@@ -196,8 +196,9 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
         if not isinstance(node, OpNode) or node.index >= len(graph.nodes) or graph.nodes[node.index] is not node:
             raise PolicyError(where, "op", node, "an op node of this graph (from get_pas_ops(graph))")
         where = f"{where} for {node}"
-        if node.index in decisions or node.index in recompute_ids or node.index in stage_ids:
+        if node.index in planned:
             raise PolicyError(where, "op", str(node), "each op planned at most once")
+        planned.add(node.index)
         for name in ("recompute_id", "stage_id"):
             if not isinstance(getattr(plan, name), int) or getattr(plan, name) < -1:
                 raise PolicyError(where, name, getattr(plan, name), "an integer >= 0, or -1 for none")

@@ -74,7 +74,7 @@ class ModuleCall:
     last_op: int = -1
 
 
-@dataclass
+@dataclass(repr=False)
 class OpNode:
     index: int
     fn: Callable
@@ -100,6 +100,8 @@ class OpNode:
 
     def __str__(self) -> str:
         return f"%{self.index} {self.signature} in {self.fqn or '<root>'} [{self.call_expr}]"
+
+    __repr__ = __str__
 
 
 class GraphView:
