@@ -53,12 +53,16 @@ def parse_partition_dim(text: object, where: str, field_name: str = "allowed_par
 
 
 def load_constraints(source: str | os.PathLike) -> list[Constraint]:
-    """Constraints from a YAML file path or a YAML string (a string containing a newline or ':' is YAML)."""
-    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and ":" not in source):
-        path = os.fspath(source)
-        with open(path, encoding="utf-8") as f:
-            return parse_constraints(f.read(), path)
-    return parse_constraints(source, "<yaml>")
+    """Constraints from a YAML file (a path object, or a one-line string ending in .yaml/.yml) or YAML text."""
+    is_path = isinstance(source, os.PathLike) or (
+        isinstance(source, str) and "\n" not in source and source.strip().endswith((".yaml", ".yml")))
+    if not is_path:
+        return parse_constraints(source, "<yaml>")
+    path = os.fspath(source)
+    if not os.path.isfile(path):
+        raise PolicyError(path, "<file>", path, "an existing YAML file")
+    with open(path, encoding="utf-8") as f:
+        return parse_constraints(f.read(), path)
 
 
 def parse_constraints(text: str, origin: str = "<yaml>") -> list[Constraint]:

@@ -20,6 +20,19 @@ def test_valid_entry_with_every_key():
     assert c.source == "<yaml> entry 0 (line 1)"
 
 
+def test_nnscaler_style_unquoted_dims():
+    (c,) = parse_constraints("- allowed_partition_dims:\n  - 0,0\n  - 1,-1\n  name: mylib::top2gating\n"
+                             "  parent_module: Top2Gate\n  replica_allowed: false\n")
+    assert c == Constraint("mylib::top2gating", ((0, 0), (1, -1)), "Top2Gate", False)
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "missing.yaml")
+    with pytest.raises(PolicyError) as info:
+        load_constraints(missing)
+    assert str(info.value) == f"{missing}: field '<file>' got {missing!r}; expected an existing YAML file"
+
+
 def test_empty_document_has_no_constraints():
     assert parse_constraints("") == []
 
