@@ -289,6 +289,9 @@ def parallelize(
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
                           warn_unused=warn_unused)
+    if plan.module_styles and mesh.ndim != 1:
+        raise PolicyError("parallelize", "mesh", tuple(mesh.shape),
+                          "a 1-D mesh for ParallelStyles (pass one dimension of a larger mesh, e.g. mesh['tp'])")
     if plan.module_styles:
         parallelize_module(model, mesh, plan.module_plan)
     if plan.op_constraints:

@@ -63,17 +63,17 @@ def _moe_policy(partition):
     return policy
 
 
-@pytest.mark.parametrize("form", ["yaml", "policy"])
-def test_moe_sum_runs_expert_sharded(form):
+@pytest.mark.parametrize(("form", "mesh_shape"), [("yaml", (2,)), ("policy", (2,)), ("yaml", (2, 2))])
+def test_moe_sum_runs_expert_sharded(form, mesh_shape):
     model, reference = _copies(MoEModel)
     x = torch.randn(6, 8)
     source = {"constraints": MOE_YAML} if form == "yaml" else {"policy": _moe_policy(OpPartition(0, 0))}
-    with simulated_mesh((2,)) as mesh:
+    with simulated_mesh(mesh_shape) as mesh:
         plan = parallelize(model, mesh, (x,), **source)
         _check_forward_and_grads(model, reference, (x,))
-    # forward only: the root's x.sum() (also torch.sum) lies outside MoE and is left alone
+    # one forward: the root's x.sum() (also torch.sum) lies outside MoE and is left alone
     assert [(s.signature, s.module, s.input_placements) for s in plan.enforcer.seen] == [
-        ("torch.sum", "moe", ((Shard(0),),))]
+        ("torch.sum", "moe", ((Shard(0),) * len(mesh_shape),))]
 
 
 def test_replica_allowed_true_keeps_replicated_input():
@@ -106,6 +106,16 @@ def test_replica_refused_when_no_allowed_partition_fits():
         "<yaml> entry 0 (line 1): op torch.sum in module moe (MoE): field 'allowed_partition_dims' got ['0,1']; "
         "expected a partition possible at run time with replica_allowed: false, but input 0 dim 1 has size 3 "
         "< 4 ranks")
+
+
+def test_parallel_styles_need_a_one_dimensional_mesh():
+    model = TinyLlama()
+    tokens = torch.randint(0, 32, (2, 8))
+    with simulated_mesh((2, 2)) as mesh:
+        with pytest.raises(PolicyError) as info:
+            parallelize(model, mesh, (tokens,), constraints=LLAMA_TP_YAML)
+    assert str(info.value) == ("parallelize: field 'mesh' got (2, 2); expected a 1-D mesh for ParallelStyles "
+                               "(pass one dimension of a larger mesh, e.g. mesh['tp'])")
 
 
 def _saved_tensor_count(model, inputs) -> int:
