@@ -7,6 +7,7 @@ the real forward once under a TorchFunctionMode, so only top-level torch calls a
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from dtensor_ext._compat import torch_op_names
 
 __all__ = ["GraphView", "OpNode", "ModuleCall", "trace_graph", "op_names"]
 
@@ -28,6 +31,7 @@ _DUNDER_NAMES = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub
                  "__pow__": "pow", "__getitem__": "getitem"}
 
 
+@functools.cache
 def _public_names() -> dict[int, str]:
     """id(function) -> its public name; torch.nn.functional wins over torch for the same object."""
     names: dict[int, str] = {}
@@ -39,23 +43,17 @@ def _public_names() -> dict[int, str]:
     return names
 
 
-_NAMES: dict[int, str] | None = None
-
-
 def op_names(fn: Callable) -> tuple[str, ...]:
     """Every name a constraint may use for `fn`: the primary signature first, then aliases."""
-    global _NAMES
-    if _NAMES is None:
-        _NAMES = _public_names()
-    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        packet = fn._schema.name if isinstance(fn, torch._ops.OpOverload) else fn._qualified_op_name
-        overload = getattr(fn, "_overloadname", "")
-        return (f"{packet}.{overload}", packet) if overload else (packet,)
-    if id(fn) in _NAMES:
-        return (_NAMES[id(fn)],)
+    names = torch_op_names(fn)
+    if names is not None:
+        return names
+    public = _public_names()
+    if id(fn) in public:
+        return (public[id(fn)],)
     name = getattr(fn, "__name__", repr(fn))
     owner = getattr(fn, "__objclass__", None) or getattr(fn, "__self__", None)
-    if owner is torch.Tensor or owner is torch._C.TensorBase:
+    if isinstance(owner, type) and owner is not object and issubclass(torch.Tensor, owner):
         base = _DUNDER_NAMES.get(name, name)
         aliases = (f"torch.{base}",) if callable(getattr(torch, base, None)) else ()
         return (f"torch.Tensor.{name}", *aliases)

@@ -86,9 +86,9 @@ class _Styled:
     output_layout: object = None
 
 
-def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None, OpNode, str]]) -> dict[str, StyleSpec]:
-    """`chosen`: module fqn -> (kind, sequence dim, op, source). Returns the module plan in execution order."""
-    styled = {fqn: _Styled(kind, node, seq) for fqn, (kind, seq, node, _) in chosen.items()}
+def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None, OpNode]]) -> dict[str, StyleSpec]:
+    """`chosen`: module fqn -> (kind, sequence dim, op). Returns the module plan in execution order."""
+    styled = {fqn: _Styled(kind, node, seq) for fqn, (kind, seq, node) in chosen.items()}
     by_node = {s.node.index: s for s in styled.values()}
     seq_dims = {s.seq_dim for s in styled.values() if s.kind == "sequence"}
     seq_dim = min(seq_dims) if seq_dims else None
