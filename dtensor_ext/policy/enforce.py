@@ -9,7 +9,7 @@ else. Plain-tensor inputs count as replicated; when every input was plain the re
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh

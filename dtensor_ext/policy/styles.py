@@ -109,9 +109,10 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None,
         return found
 
     for s in styled.values():
-        if s.kind == "rowwise" and seq_dim is not None and any(r.kind == "sequence" for r in reached(s.node.output_ids)):
+        downstream = {r.kind for r in reached(s.node.output_ids)}
+        if s.kind == "rowwise" and seq_dim is not None and "sequence" in downstream:
             s.output_layout = Shard(seq_dim)
-        if s.kind == "colwise" and not any(r.kind == "rowwise" for r in reached(s.node.output_ids)):
+        if s.kind == "colwise" and "rowwise" not in downstream:
             s.output_layout = Replicate()
 
     def seq_sharded(tid: int | None, depth: int = 0) -> bool:
