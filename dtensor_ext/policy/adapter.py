@@ -111,6 +111,9 @@ def build_plan(
     recompute_ids, stage_ids, hooks = {}, {}, []
     if constraints is not None:
         parsed = load_constraints(constraints) if isinstance(constraints, (str, os.PathLike)) else list(constraints)
+        for k, c in enumerate(parsed):
+            if not isinstance(c, Constraint):
+                raise PolicyError(f"constraints[{k}]", "<item>", c, "a Constraint (or pass YAML text or a path)")
         decisions = _decisions_from_constraints(graph, parsed, warn_unused)
     else:
         decisions, recompute_ids, stage_ids, hooks = _decisions_from_policy(
@@ -118,6 +121,10 @@ def build_plan(
     chosen, free = {}, []
     for decision in decisions:
         styled = _module_style(graph, decision, chosen)
+        if styled is not None and decision.node.fqn in chosen:
+            raise PolicyError(decision.source, "op", str(decision.node),
+                              f"one partitioned op per module; module {decision.node.fqn!r} already runs "
+                              f"{chosen[decision.node.fqn][2]} with a ParallelStyle")
         if styled is not None:
             chosen[decision.node.fqn] = styled
         else:
@@ -201,6 +208,9 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
             if not isinstance(getattr(plan, name), int) or getattr(plan, name) < -1:
                 raise PolicyError(where, name, getattr(plan, name), "an integer >= 0, or -1 for none")
         if isinstance(plan.partition, OpPartition):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (plan.partition.input,
+                                                                                  plan.partition.dim)):
+                raise PolicyError(where, "partition", plan.partition, "OpPartition with integer input and dim")
             allowed = _check_dims(node, [(plan.partition.input, plan.partition.dim)], where, "partition")
             decisions[node.index] = _Decision(node, allowed, False, where)
         elif plan.partition is None:
@@ -215,8 +225,7 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
             if getattr(plan, name) is not None and not callable(getattr(plan, name)):
                 raise PolicyError(where, name, getattr(plan, name), "a callable module hook or None")
         if plan.pre_hook or plan.post_hook:
-            key = (node.fqn, plan.pre_hook, plan.post_hook)
-            hooks.setdefault(key, key)
+            hooks[(node.fqn, plan.pre_hook, plan.post_hook)] = None  # a dict keeps one of each, in order
     return [decisions[i] for i in sorted(decisions)], recompute_ids, stage_ids, list(hooks)
 
 

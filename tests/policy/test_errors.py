@@ -177,3 +177,33 @@ def test_layer_index_helpers():
                                "'layers.3.experts.1'; expected exactly one integer component, found 2")
     assert get_called_self_module_name("out = self.up_proj(x)") == "up_proj"
     assert get_called_self_module_name("torch.sum(x, dim=0)") == ""
+
+
+def test_partition_with_non_integer_fields(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0], partition=OpPartition("0", 1))])) == (
+        f"policy OpPlan #0 for {PROJ_OP}: field 'partition' got OpPartition(input='0', dim=1); expected "
+        "OpPartition with integer input and dim")
+
+
+def test_constraint_objects_of_wrong_type(error):
+    assert error(constraints=[{"name": "torch.sum"}]) == (
+        "constraints[0]: field '<item>' got {'name': 'torch.sum'}; expected a Constraint (or pass YAML text or a "
+        "path)")
+
+
+def test_one_parallel_style_per_module(mesh_1d2):
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(self.proj(x))
+
+    with pytest.raises(PolicyError) as info:
+        build_plan(Twice(), mesh_1d2, (torch.randn(2, 4),),
+                   constraints='- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0"]\n')
+    assert str(info.value) == (
+        "<yaml> entry 0 (line 1): field 'op' got '%1 torch.nn.functional.linear in proj [return self.proj(self.proj("
+        "x))]'; expected one partitioned op per module; module 'proj' already runs %0 torch.nn.functional.linear in "
+        "proj [return self.proj(self.proj(x))] with a ParallelStyle")
