@@ -230,7 +230,7 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
 
 
 def _module_style(graph: GraphView, d: _Decision, chosen: dict):
-    """(kind, sequence dim, op) where the decision is a ParallelStyle of the op's module, else None.
+    """(kind, sequence dim, op, source) where the decision is a ParallelStyle of the op's module, else None.
 
     Where both column- and row-parallel are allowed, pair them as Megatron does: row-parallel when the op's
     input derives from a column-parallel output (already sharded on features), column-parallel otherwise."""
@@ -244,15 +244,15 @@ def _module_style(graph: GraphView, d: _Decision, chosen: dict):
                           f"a partition of {d.node} that a ParallelStyle implements: {listed}")
     by_kind = {kind: (kind, seq) for kind, seq in reversed(options)}
     if "colwise" in by_kind and "rowwise" in by_kind:
-        colwise_ops = {node.index for kind, _, node in chosen.values() if kind == "colwise"}
+        colwise_ops = {node.index for kind, _, node, _ in chosen.values() if kind == "colwise"}
         pick = "rowwise" if _derives_from(graph, d.node.input_ids[0], colwise_ops, chosen) else "colwise"
-        return (*by_kind[pick], d.node)
-    return (*options[0], d.node)
+        return (*by_kind[pick], d.node, d.source)
+    return (*options[0], d.node, d.source)
 
 
 def _derives_from(graph: GraphView, tensor_id: int | None, targets: set[int], chosen: dict) -> bool:
     """Whether the tensor is computed from one of the `targets` ops through ops that are not module styles."""
-    styled = {node.index for _, _, node in chosen.values()}
+    styled = {node.index for _, _, node, _ in chosen.values()}
     todo, seen = [tensor_id] if tensor_id is not None else [], set()
     while todo:
         producer = graph.producer(todo.pop())

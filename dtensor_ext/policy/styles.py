@@ -81,14 +81,16 @@ def module_style_kind(node: OpNode, graph: GraphView) -> dict[tuple[int, int], t
 class _Styled:
     kind: str
     node: OpNode
+    source: str
     seq_dim: int | None = None
     input_layout: object = None
     output_layout: object = None
 
 
-def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None, OpNode]]) -> dict[str, StyleSpec]:
-    """`chosen`: module fqn -> (kind, sequence dim, op). Returns the module plan in execution order."""
-    styled = {fqn: _Styled(kind, node, seq) for fqn, (kind, seq, node) in chosen.items()}
+def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None, OpNode, str]]) -> dict[str, StyleSpec]:
+    """`chosen`: module fqn -> (kind, sequence dim, op, source of the decision). Returns the module plan in
+    execution order."""
+    styled = {fqn: _Styled(kind, node, source, seq) for fqn, (kind, seq, node, source) in chosen.items()}
     by_node = {s.node.index: s for s in styled.values()}
     seq_dims = {s.seq_dim for s in styled.values() if s.kind == "sequence"}
     seq_dim = min(seq_dims) if seq_dims else None
@@ -129,7 +131,7 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None,
     for s in styled.values():
         activation = s.node.input_ids[0]
         if s.kind == "sequence" and not seq_sharded(activation):
-            raise PolicyError(f"module {s.node.fqn!r}", "partition", f"0,{s.seq_dim}",
+            raise PolicyError(f"{s.source} for {s.node}", "partition", f"0,{s.seq_dim}",
                               "a sequence-parallel norm whose input is sequence-sharded; shard the op producing "
                               "its input (e.g. the embedding as '1,0') or do not partition this norm")
         if s.kind == "colwise" and seq_sharded(activation):

@@ -1,4 +1,4 @@
-"""Small models for the policy tests: a Llama-style transformer (torchtitan module names) and a MoE layer."""
+"""Small models for the policy tests: a Llama-style transformer (torchtitan module names), an MLP and a MoE layer."""
 
 from __future__ import annotations
 
@@ -62,6 +62,17 @@ class TinyLlama(nn.Module):
         for layer in self.layers.values():
             h = layer(h)
         return self.output(self.norm(h))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
 class MoE(nn.Module):

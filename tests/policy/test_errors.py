@@ -16,7 +16,7 @@ from dtensor_ext.policy import (
     get_called_self_module_name,
     get_layer_index,
 )
-from tests.policy.models import MoEModel
+from tests.policy.models import MLP, MoEModel
 
 SUM_OP = "%9 torch.sum in moe [return torch.sum(expert_out * gates.t().unsqueeze(-1), dim=0)]"
 PROJ_OP = "%0 torch.nn.functional.linear in proj [h = self.proj(x)]"
@@ -207,3 +207,14 @@ def test_one_parallel_style_per_module(mesh_1d2):
         "<yaml> entry 0 (line 1): field 'op' got '%1 torch.nn.functional.linear in proj [return self.proj(self.proj("
         "x))]'; expected one partitioned op per module; module 'proj' already runs %0 torch.nn.functional.linear in "
         "proj [return self.proj(self.proj(x))] with a ParallelStyle")
+
+
+def test_sequence_parallel_norm_on_replicated_input(mesh_1d2):
+    with pytest.raises(PolicyError) as info:
+        build_plan(MLP(), mesh_1d2, (torch.randn(3, 5, 8),),
+                   constraints='- name: torch.nn.functional.layer_norm\n  allowed_partition_dims: ["0,1"]\n')
+    assert str(info.value) == (
+        "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [return x + self.down(torch.nn."
+        "functional.gelu(self.up(self.norm(x))))]: field 'partition' got '0,1'; expected a sequence-parallel norm "
+        "whose input is sequence-sharded; shard the op producing its input (e.g. the embedding as '1,0') or do not "
+        "partition this norm")

@@ -10,7 +10,7 @@ from dtensor_ext._compat import LocalTensor
 from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, get_pas_ops, parallelize
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.testing.mesh import local_values
-from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, MoEModel, TinyLlama, llama_tp_policy
+from tests.policy.models import LLAMA_TP_YAML, MLP, MOE_YAML, MoEModel, TinyLlama, llama_tp_policy
 
 
 def _assert_every_rank_matches(actual, expected):
@@ -53,6 +53,19 @@ def test_llama_tp_sp_matches_single_device(form):
         assert model.layers["1"].feed_forward.w2.weight.placements == (Shard(1),)
         assert len(plan.module_styles) == 25
         _check_forward_and_grads(model, reference, (tokens,))
+
+
+def test_mlp_tensor_parallel_without_sequence_parallel():
+    model, reference = _copies(MLP)
+    x = torch.randn(3, 5, 8)
+    with simulated_mesh((2,)) as mesh:
+        plan = parallelize(model, mesh, (x,), constraints="""\
+- name: torch.nn.functional.linear
+  allowed_partition_dims: ["1,0", "0,-1"]
+""")
+        assert {k: str(v) for k, v in plan.module_styles.items()} == {
+            "up": "ColwiseParallel()", "down": "RowwiseParallel()"}
+        _check_forward_and_grads(model, reference, (x,))
 
 
 def _moe_policy(partition):
