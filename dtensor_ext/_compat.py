@@ -190,3 +190,21 @@ def is_placeholder(p: object) -> bool:
 
 def fill_placeholders(row: Sequence[Any], shard_type: Callable[[int], Placement] = Shard) -> list[Any]:
     return [shard_type(p.dim) if is_placeholder(p) else p for p in row]
+
+
+def torch_op_names(fn: object) -> tuple[str, ...] | None:
+    """('ns::op.overload', 'ns::op') for a torch.ops overload, ('ns::op',) for a packet, None for anything else."""
+    from torch._ops import OpOverloadPacket
+
+    if isinstance(fn, OpOverload):
+        return (f"{fn._schema.name}.{fn._overloadname}", fn._schema.name)
+    if isinstance(fn, OpOverloadPacket):
+        return (fn._qualified_op_name,)
+    return None
+
+
+def current_local_tensor_mode() -> LocalTensorMode | None:
+    """The simulated-rank mode in effect, if any."""
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    return local_tensor_mode()

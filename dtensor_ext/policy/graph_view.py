@@ -1,0 +1,224 @@
+"""A view of a model's forward as the list of torch-level ops it ran, each tagged with the module that ran it.
+
+Policies select ops the way nnScaler's do: by op (`fn`, `signature`), by the module that ran it (`fqn`, the chain
+of module classes) and by the source expression that led to it (`call_expr`, e.g. ``self.wq(x)``). The trace runs
+the real forward once under a TorchFunctionMode, so only top-level torch calls are seen (not their internals).
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from dtensor_ext._compat import torch_op_names
+
+__all__ = ["GraphView", "OpNode", "ModuleCall", "trace_graph", "op_names"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_POLICY_DIR = os.path.dirname(__file__)
+# Tensor operators that users think of as the torch function of the same meaning.
+_DUNDER_NAMES = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "sub",
+                 "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
+                 "__rtruediv__": "div", "__matmul__": "matmul", "__rmatmul__": "matmul", "__neg__": "neg",
+                 "__pow__": "pow", "__getitem__": "getitem"}
+
+
+@functools.cache
+def _public_names() -> dict[int, str]:
+    """id(function) -> its public name; torch.nn.functional wins over torch for the same object."""
+    names: dict[int, str] = {}
+    for prefix, namespace in (("torch", torch), ("torch.nn.functional", F)):
+        for attr in dir(namespace):
+            obj = getattr(namespace, attr, None)
+            if callable(obj) and not isinstance(obj, type) and not attr.startswith("_"):
+                names[id(obj)] = f"{prefix}.{attr}"
+    return names
+
+
+def op_names(fn: Callable) -> tuple[str, ...]:
+    """Every name a constraint may use for `fn`: the primary signature first, then aliases."""
+    names = torch_op_names(fn)
+    if names is not None:
+        return names
+    public = _public_names()
+    if id(fn) in public:
+        return (public[id(fn)],)
+    name = getattr(fn, "__name__", repr(fn))
+    owner = getattr(fn, "__objclass__", None) or getattr(fn, "__self__", None)
+    if isinstance(owner, type) and owner is not object and issubclass(torch.Tensor, owner):
+        base = _DUNDER_NAMES.get(name, name)
+        aliases = (f"torch.{base}",) if callable(getattr(torch, base, None)) else ()
+        return (f"torch.Tensor.{name}", *aliases)
+    module = getattr(fn, "__module__", None) or "?"
+    return (f"{module}.{name}",)
+
+
+@dataclass
+class ModuleCall:
+    """One call of a module during the trace: which tensors came in (by trace id) and which op indices it ran."""
+
+    fqn: str
+    module: torch.nn.Module
+    arg_ids: tuple[int | None, ...]
+    first_op: int = -1
+    last_op: int = -1
+
+
+@dataclass(repr=False)
+class OpNode:
+    index: int
+    fn: Callable
+    names: tuple[str, ...]
+    fqn: str
+    module_fqn_chain: tuple[str, ...]
+    module_class_chain: tuple[str, ...]
+    call_expr: str
+    args: tuple[object, ...] = field(repr=False)
+    kwargs: dict[str, object] = field(repr=False)
+    input_ids: tuple[int | None, ...] = ()  # trace id of each positional arg that is a tensor
+    kwarg_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+    input_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    output_shapes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def signature(self) -> str:
+        return self.names[0]
+
+    def in_module_class(self, class_name: str) -> bool:
+        return class_name in self.module_class_chain
+
+    def __str__(self) -> str:
+        return f"%{self.index} {self.signature} in {self.fqn or '<root>'} [{self.call_expr}]"
+
+    __repr__ = __str__
+
+
+class GraphView:
+    """The traced forward: `nodes` in execution order plus every module call (by fqn, first call wins)."""
+
+    def __init__(self, model: torch.nn.Module, nodes: list[OpNode], calls: dict[str, ModuleCall]):
+        self.model = model
+        self.nodes = nodes
+        self.module_calls = calls
+        self._consumers: dict[int, list[OpNode]] = {}
+        self._producer: dict[int, OpNode] = {}
+        for node in nodes:
+            for tid in (*node.input_ids, *node.kwarg_ids):
+                if tid is not None:
+                    self._consumers.setdefault(tid, []).append(node)
+            for tid in node.output_ids:
+                self._producer[tid] = node
+
+    def __iter__(self) -> Iterator[OpNode]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def consumers(self, tensor_id: int) -> list[OpNode]:
+        return self._consumers.get(tensor_id, [])
+
+    def producer(self, tensor_id: int) -> OpNode | None:
+        return self._producer.get(tensor_id)
+
+    def module(self, fqn: str) -> torch.nn.Module:
+        return self.model.get_submodule(fqn)
+
+    def module_classes(self) -> set[str]:
+        return {cls for node in self.nodes for cls in node.module_class_chain} | {
+            type(call.module).__name__ for call in self.module_calls.values()}
+
+
+def _caller_expression() -> str:
+    """The source line of the innermost frame outside torch and this package: where the user's code made the op."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_TORCH_DIR) and not filename.startswith(_POLICY_DIR):
+            return linecache.getline(filename, frame.f_lineno).strip()
+        frame = frame.f_back
+    return ""
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.nodes: list[OpNode] = []
+        self.calls: dict[str, ModuleCall] = {}
+        self.stack: list[tuple[str, str]] = []  # (fqn, class name), outermost first
+        self._ids: dict[int, int] = {}  # id(tensor) -> trace id
+        self._alive: list[torch.Tensor] = []  # keeps traced tensors alive so that ids stay unique
+        self._handles = []
+        for fqn, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._enter(fqn), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._leave(fqn), always_call=True))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def tensor_id(self, value: object) -> int | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        if id(value) not in self._ids:
+            self._ids[id(value)] = len(self._alive)
+            self._alive.append(value)
+        return self._ids[id(value)]
+
+    def _enter(self, fqn: str):
+        def hook(module, args, kwargs):
+            self.stack.append((fqn, type(module).__name__))
+            if fqn not in self.calls:
+                self.calls[fqn] = ModuleCall(fqn, module, tuple(self.tensor_id(a) for a in args))
+        return hook
+
+    def _leave(self, fqn: str):
+        def hook(module, args, output):
+            self.stack.pop()
+        return hook
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outputs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        if not outputs or getattr(func, "__name__", "") in ("__get__", "__set__"):
+            return out
+        fqns = tuple(f for f, _ in self.stack)
+        node = OpNode(
+            index=len(self.nodes), fn=func, names=op_names(func), fqn=fqns[-1] if fqns else "",
+            module_fqn_chain=fqns, module_class_chain=tuple(c for _, c in self.stack),
+            call_expr=_caller_expression(), args=tuple(args), kwargs=dict(kwargs),
+            input_ids=tuple(self.tensor_id(a) for a in args),
+            kwarg_ids=tuple(self.tensor_id(v) for v in kwargs.values() if isinstance(v, torch.Tensor)),
+            output_ids=tuple(self.tensor_id(o) for o in outputs),
+            input_shapes=tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args),
+            output_shapes=tuple(tuple(o.shape) for o in outputs),
+        )
+        self.nodes.append(node)
+        for fqn in fqns:
+            call = self.calls[fqn]
+            call.first_op = node.index if call.first_op < 0 else call.first_op
+            call.last_op = node.index
+        return out
+
+
+def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object]) -> GraphView:
+    """Run `model(*example_inputs)` once without gradients and record every torch-level op it makes."""
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    recorder = _Recorder(model)
+    try:
+        with torch.no_grad(), recorder:
+            model(*example_inputs)
+    finally:
+        recorder.remove_hooks()
+    return GraphView(model, recorder.nodes, recorder.calls)

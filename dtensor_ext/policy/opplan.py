@@ -1,0 +1,65 @@
+"""What a Python policy yields for each op it plans, and helpers for choosing ops the way nnScaler policies do."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from dtensor_ext.policy.errors import PolicyError
+from dtensor_ext.policy.graph_view import GraphView, OpNode
+
+__all__ = ["OpPartition", "OpPlan", "get_pas_ops", "get_layer_index", "get_called_self_module_name"]
+
+
+@dataclass(frozen=True)
+class OpPartition:
+    """Partition the op's positional input `input` along tensor dim `dim` (negative dims count from the end)."""
+
+    input: int
+    dim: int
+
+    def __str__(self) -> str:
+        return f"{self.input},{self.dim}"
+
+
+Partition = Union[OpPartition, Literal["auto"], None]
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """The decision for one op: its partition ('auto' lets DTensor decide, None replicates), recompute group
+    (ops sharing an id >= 0 form one checkpointed region), pipeline stage (>= 0), and hooks run around the
+    module that made the op."""
+
+    op: OpNode
+    partition: Partition = "auto"
+    recompute_id: int = -1
+    stage_id: int = -1
+    pre_hook: Callable | None = None
+    post_hook: Callable | None = None
+
+
+def get_pas_ops(graph: GraphView) -> list[OpNode]:
+    """The ops a policy may plan: every traced torch-level op, in execution order."""
+    return list(graph.nodes)
+
+
+
+def get_layer_index(qualified_name: str) -> int:
+    """The one integer component of a qualified name: ``layers.3.attention.wq`` -> 3."""
+    found = [int(part) for part in qualified_name.split(".") if part.isdigit()]
+    if len(found) != 1:
+        raise PolicyError(f"get_layer_index({qualified_name!r})", "qualified_name", qualified_name,
+                          f"exactly one integer component, found {len(found)}")
+    return found[0]
+
+
+_SELF_CALL = re.compile(r"\bself\.([A-Za-z_][A-Za-z0-9_]*)\s*\(")
+
+
+def get_called_self_module_name(call_expr: str) -> str:
+    """``"out = self.up_proj(x)"`` -> ``"up_proj"``; an expression that calls no ``self.<name>(...)`` -> ``""``."""
+    match = _SELF_CALL.search(call_expr)
+    return match.group(1) if match else ""

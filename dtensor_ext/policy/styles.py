@@ -1,0 +1,174 @@
+"""Module ops -> torch ParallelStyles, with the layouts between them inferred from the traced dataflow.
+
+A partitioned linear, embedding or norm whose weight belongs to the module that ran it becomes a ParallelStyle.
+Layouts follow torchtitan's TP+SP recipe: a row-parallel output that reaches a sequence-parallel norm is left
+sharded on the sequence dim; a column-parallel linear reading sequence-sharded activations gathers them, once per
+parent module when every consumer inside that module is column-parallel (PrepareModuleInput); a column-parallel
+output that reaches no row-parallel linear is gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from dtensor_ext.policy.errors import PolicyError
+from dtensor_ext.policy.graph_view import GraphView, OpNode
+
+__all__ = ["StyleSpec", "module_style_kind", "infer_module_plan"]
+
+_TORCH_STYLES = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
+                 "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput}
+_NORMS = ("torch.nn.functional.layer_norm", "torch.nn.functional.rms_norm")
+
+
+@dataclass
+class StyleSpec:
+    """A ParallelStyle by name and keyword arguments: printable, and built fresh for each parallelize call."""
+
+    style: str
+    kwargs: dict[str, object] = field(default_factory=dict)
+
+    def build(self):
+        return _TORCH_STYLES[self.style](**self.kwargs)
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={_layout_str(v)}" for k, v in self.kwargs.items())
+        return f"{self.style}({args})"
+
+
+def _layout_str(value: object) -> str:
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_layout_str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, Shard):
+        return f"Shard({value.dim})"
+    if isinstance(value, Replicate):
+        return "Replicate()"
+    return repr(value)
+
+
+def _owns_weight(node: OpNode, module: torch.nn.Module, weight_index: int) -> bool:
+    weight = node.args[weight_index] if len(node.args) > weight_index else node.kwargs.get("weight")
+    return weight is not None and any(weight is p for p in module.parameters(recurse=False))
+
+
+def module_style_kind(node: OpNode, graph: GraphView) -> dict[tuple[int, int], tuple[str, int | None]] | None:
+    """For a module op: partition (input, normalized dim) -> (style kind, sequence dim); None for free ops."""
+    module = graph.module(node.fqn)
+    sig = node.signature
+    if sig == "torch.nn.functional.linear" and isinstance(module, torch.nn.Linear) and _owns_weight(node, module, 1):
+        last = len(node.input_shapes[0]) - 1
+        return {(1, 0): ("colwise", None), (1, 1): ("rowwise", None), (0, last): ("rowwise", None)}
+    if (sig == "torch.nn.functional.embedding" and isinstance(module, torch.nn.Embedding)
+            and _owns_weight(node, module, 1)):
+        return {(1, 0): ("rowwise", None), (1, 1): ("colwise", None)}
+    if sig in _NORMS and node.fqn and (not list(module.parameters(recurse=False)) or _owns_weight(node, module, 2)):
+        ndim = len(node.input_shapes[0])
+        normalized = len(node.args[1]) if len(node.args) > 1 else len(node.kwargs["normalized_shape"])
+        return {(0, d): ("sequence", d) for d in range(ndim - normalized)}
+    return None
+
+
+@dataclass
+class _Styled:
+    kind: str
+    node: OpNode
+    source: str
+    seq_dim: int | None = None
+    input_layout: object = None
+    output_layout: object = None
+
+
+def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None, OpNode, str]]) -> dict[str, StyleSpec]:
+    """`chosen`: module fqn -> (kind, sequence dim, op, source of the decision). Returns the module plan in
+    execution order."""
+    styled = {fqn: _Styled(kind, node, source, seq) for fqn, (kind, seq, node, source) in chosen.items()}
+    by_node = {s.node.index: s for s in styled.values()}
+    seq_dims = {s.seq_dim for s in styled.values() if s.kind == "sequence"}
+    seq_dim = min(seq_dims) if seq_dims else None
+
+    def reached(tensor_ids) -> list[_Styled]:
+        """Styled ops reached from these tensors through free ops."""
+        found, todo, seen = [], list(tensor_ids), set()
+        while todo:
+            tid = todo.pop()
+            for consumer in graph.consumers(tid):
+                if consumer.index in seen:
+                    continue
+                seen.add(consumer.index)
+                if consumer.index in by_node:
+                    found.append(by_node[consumer.index])
+                else:
+                    todo.extend(consumer.output_ids)
+        return found
+
+    for s in styled.values():
+        downstream = {r.kind for r in reached(s.node.output_ids)}
+        if s.kind == "rowwise" and seq_dim is not None and "sequence" in downstream:
+            s.output_layout = Shard(seq_dim)
+        if s.kind == "colwise" and "rowwise" not in downstream:
+            s.output_layout = Replicate()
+
+    def seq_sharded(tid: int | None, depth: int = 0) -> bool:
+        producer = graph.producer(tid) if tid is not None else None
+        if producer is None or depth > 64:
+            return False
+        if producer.index in by_node:
+            p = by_node[producer.index]
+            return p.kind == "sequence" or (p.kind == "rowwise" and isinstance(p.output_layout, Shard))
+        out_shape = producer.output_shapes[0]
+        return any(shape == out_shape and seq_sharded(i, depth + 1)
+                   for i, shape in zip(producer.input_ids, producer.input_shapes))
+
+    for s in styled.values():
+        activation = s.node.input_ids[0]
+        if s.kind == "sequence" and not seq_sharded(activation):
+            raise PolicyError(f"{s.source} for {s.node}", "partition", f"0,{s.seq_dim}",
+                              "a sequence-parallel norm whose input is sequence-sharded; shard the op producing "
+                              "its input (e.g. the embedding as '1,0') or do not partition this norm")
+        if s.kind == "colwise" and seq_sharded(activation):
+            s.input_layout = Shard(seq_dim)
+
+    plan: dict[str, StyleSpec] = {}
+    for fqn, call in graph.module_calls.items():
+        if not fqn or fqn in styled:
+            continue
+        hoisted = []
+        for tid in call.arg_ids:
+            inside = [c for c in graph.consumers(tid) if c.fqn == fqn or c.fqn.startswith(fqn + ".")] if tid else []
+            hoist = (tid is not None and bool(inside) and seq_sharded(tid)
+                     and all(c.index in by_node and by_node[c.index].kind == "colwise"
+                             and by_node[c.index].input_layout is not None for c in inside))
+            hoisted.append(hoist)
+            if hoist:
+                for c in inside:
+                    by_node[c.index].input_layout = None
+        if any(hoisted):
+            plan[fqn] = StyleSpec("PrepareModuleInput", {
+                "input_layouts": tuple(Shard(seq_dim) if h else None for h in hoisted),
+                "desired_input_layouts": tuple(Replicate() if h else None for h in hoisted)})
+    for fqn, s in styled.items():
+        plan[fqn] = _spec(s)
+    order = {fqn: i for i, fqn in enumerate(graph.module_calls)}
+    return dict(sorted(plan.items(), key=lambda item: order[item[0]]))
+
+
+def _spec(s: _Styled) -> StyleSpec:
+    if s.kind == "sequence":
+        return StyleSpec("SequenceParallel", {"sequence_dim": s.seq_dim} if s.seq_dim != 1 else {})
+    kwargs = {}
+    if s.input_layout is not None:
+        kwargs["input_layouts"] = s.input_layout
+    elif s.kind == "rowwise" and s.node.signature == "torch.nn.functional.embedding":
+        kwargs["input_layouts"] = Replicate()
+    if s.output_layout is not None:
+        kwargs["output_layouts"] = s.output_layout
+    return StyleSpec("ColwiseParallel" if s.kind == "colwise" else "RowwiseParallel", kwargs)

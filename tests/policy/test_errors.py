@@ -1,0 +1,220 @@
+"""Constraints and policies that do not fit the model: one PolicyError per mistake, naming entry and field."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from dtensor_ext.policy import (
+    OpPartition,
+    OpPlan,
+    PolicyError,
+    build_plan,
+    get_called_self_module_name,
+    get_layer_index,
+)
+from tests.policy.models import MLP, MoEModel
+
+SUM_OP = "%9 torch.sum in moe [return torch.sum(expert_out * gates.t().unsqueeze(-1), dim=0)]"
+PROJ_OP = "%0 torch.nn.functional.linear in proj [h = self.proj(x)]"
+EINSUM_OP = '%5 torch.einsum in moe [expert_out = torch.einsum("eth,ehd->etd", hidden, self.w_out)]'
+
+
+def _yaml(name="torch.sum", dims='["0,0"]', parent="MoE"):
+    return f"- name: {name}\n  parent_module: {parent}\n  allowed_partition_dims: {dims}\n"
+
+
+def _policy(plans):
+    """A policy yielding plans(graph) (a function of the graph's nodes)."""
+    def policy(graph, cfg):
+        yield from plans(graph.nodes)
+    return policy
+
+
+@pytest.fixture
+def error(mesh_1d2):
+    torch.manual_seed(0)
+    model, x = MoEModel(), torch.randn(6, 8)
+
+    def build(**source) -> str:
+        with pytest.raises(PolicyError) as info:
+            build_plan(model, mesh_1d2, (x,), **source)
+        return str(info.value)
+    return build
+
+
+def test_input_index_out_of_range(error):
+    assert error(constraints=_yaml(dims='["1,0"]')) == (
+        "<yaml> entry 0 (line 1): field 'allowed_partition_dims' got '1,0'; expected an input index of a tensor "
+        f"input of {SUM_OP} (tensor inputs: [0])")
+
+
+def test_dim_out_of_range(error):
+    assert error(constraints=_yaml(dims='["0,-4"]')) == (
+        "<yaml> entry 0 (line 1): field 'allowed_partition_dims' got '0,-4'; expected a dim in [-3, 2] for input 0 "
+        f"of shape [4, 6, 8] of {SUM_OP}")
+
+
+def test_op_name_matching_nothing(error):
+    assert error(constraints=_yaml(name="torch.cumsum")) == (
+        "<yaml> entry 0 (line 1): field 'name' got 'torch.cumsum'; expected an op the model runs: torch.Tensor.add, "
+        "torch.Tensor.mul, torch.Tensor.sum, torch.Tensor.t, torch.Tensor.unsqueeze, torch.einsum, "
+        "torch.nn.functional.linear, torch.relu, torch.softmax, torch.sum")
+
+
+def test_parent_module_class_never_occurs(error):
+    assert error(constraints=_yaml(parent="Expert")) == (
+        "<yaml> entry 0 (line 1): field 'parent_module' got 'Expert'; expected a module class the model runs: "
+        "Linear, MoE, MoEModel")
+
+
+def test_parent_module_never_encloses_the_op(error):
+    assert error(constraints=_yaml(name="torch.relu", parent="Linear")) == (
+        "<yaml> entry 0 (line 1): field 'parent_module' got 'Linear'; expected a module class that runs torch.relu")
+
+
+def test_unused_constraint_warns_when_asked(mesh_1d2):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = build_plan(MoEModel(), mesh_1d2, (torch.randn(6, 8),),
+                          constraints=_yaml(name="torch.cumsum") + _yaml(), warn_unused=True)
+    assert [str(w.message).split(";")[0] for w in caught] == [
+        "unused constraint <yaml> entry 0 (line 1): name 'torch.cumsum'"]
+    assert len(plan.op_constraints) == 1
+
+
+def test_two_constraints_for_one_op(error):
+    assert error(constraints=_yaml() + _yaml(dims='["0,1"]')) == (
+        "<yaml> entry 1 (line 4): field 'name' got 'torch.sum'; expected one constraint per op; "
+        f"{SUM_OP} is already constrained by <yaml> entry 0 (line 1)")
+
+
+def test_module_op_partition_without_parallel_style(error):
+    assert error(constraints=_yaml(name="torch.nn.functional.linear", parent="MoEModel", dims='["0,0"]')) == (
+        "<yaml> entry 0 (line 1): field 'allowed_partition_dims' got ['0,0']; expected a partition of "
+        f"{PROJ_OP} that a ParallelStyle implements: 1,0 (colwise), 1,1 (rowwise), 0,1 (rowwise)")
+
+
+@pytest.mark.parametrize("given", ["both", "neither"])
+def test_exactly_one_input_form(error, given):
+    source = {"constraints": _yaml(), "policy": _policy(lambda nodes: [])} if given == "both" else {}
+    assert error(**source) == (
+        f"build_plan: field 'constraints/policy' got '{given}'; expected exactly one of constraints= (YAML) or "
+        "policy= (a generator of OpPlan)")
+
+
+def test_policy_yields_something_else(error):
+    assert error(policy=_policy(lambda nodes: ["x"])) == (
+        "policy OpPlan #0: field '<yielded>' got 'x'; expected an OpPlan")
+
+
+def test_opplan_for_an_op_not_in_the_graph(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(dataclasses.replace(nodes[0]))])) == (
+        f"policy OpPlan #0: field 'op' got {PROJ_OP}; expected an op node of this graph (from get_pas_ops(graph))")
+
+
+def test_op_planned_twice(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0]), OpPlan(nodes[0])])) == (
+        f"policy OpPlan #1 for {PROJ_OP}: field 'op' got '{PROJ_OP}'; expected each op planned at most once")
+
+
+def test_partition_of_wrong_type(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0], partition="shard")])) == (
+        f"policy OpPlan #0 for {PROJ_OP}: field 'partition' got 'shard'; expected OpPartition(input, dim), "
+        "'auto' or None")
+
+
+def test_partition_dim_out_of_range(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0], partition=OpPartition(0, 5))])) == (
+        f"policy OpPlan #0 for {PROJ_OP}: field 'partition' got '0,5'; expected a dim in [-2, 1] for input 0 of "
+        f"shape [6, 8] of {PROJ_OP}")
+
+
+def test_non_contiguous_recompute_group(error):
+    plans = lambda nodes: [OpPlan(nodes[0], recompute_id=0), OpPlan(nodes[1], recompute_id=1),  # noqa: E731
+                           OpPlan(nodes[2], recompute_id=0)]
+    assert error(policy=_policy(plans)) == (
+        "policy op %1 torch.nn.functional.linear in moe.router [gates = torch.softmax(self.router(x), dim=-1)  # "
+        "(tokens, experts)]: field 'recompute_id' got 1; expected 0: recompute group 0 spans ops %0..%2, a group "
+        "must be contiguous in execution order")
+
+
+def test_recompute_group_splitting_a_module(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(nodes[10], recompute_id=0)])) == (
+        "policy op %10 torch.Tensor.sum in <root> [return h + self.moe(h).sum(dim=-1, keepdim=True)]: field "
+        "'recompute_id' got 0; expected groups that cover whole modules; module '<root>' also runs ops outside "
+        "this group")
+
+
+def test_stage_ids_going_backwards(error):
+    plans = lambda nodes: [OpPlan(nodes[0], stage_id=0), OpPlan(nodes[1], stage_id=1),  # noqa: E731
+                           OpPlan(nodes[10], stage_id=0)]
+    assert error(policy=_policy(plans)) == (
+        "policy op %10 torch.Tensor.sum in <root> [return h + self.moe(h).sum(dim=-1, keepdim=True)]: field "
+        "'stage_id' got 0; expected a stage id >= 1: stage ids may not go backwards in execution order")
+
+
+def test_stage_ids_with_a_gap(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0], stage_id=0), OpPlan(nodes[5], stage_id=2)])) == (
+        f"policy op {EINSUM_OP}: field 'stage_id' got 2; expected 0 or 1: stages are numbered 0, 1, 2, ... "
+        "without gaps")
+
+
+def test_stage_starting_inside_a_module(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0], stage_id=0), OpPlan(nodes[5], stage_id=1)])) == (
+        f"policy op {EINSUM_OP}: field 'stage_id' got 1; expected a stage that begins where a submodule begins; "
+        "this op runs inside 'moe' after its start")
+
+
+def test_layer_index_helpers():
+    assert get_layer_index("layers.3.attention.wq") == 3
+    with pytest.raises(PolicyError) as info:
+        get_layer_index("layers.3.experts.1")
+    assert str(info.value) == ("get_layer_index('layers.3.experts.1'): field 'qualified_name' got "
+                               "'layers.3.experts.1'; expected exactly one integer component, found 2")
+    assert get_called_self_module_name("out = self.up_proj(x)") == "up_proj"
+    assert get_called_self_module_name("torch.sum(x, dim=0)") == ""
+
+
+def test_partition_with_non_integer_fields(error):
+    assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0], partition=OpPartition("0", 1))])) == (
+        f"policy OpPlan #0 for {PROJ_OP}: field 'partition' got OpPartition(input='0', dim=1); expected "
+        "OpPartition with integer input and dim")
+
+
+def test_constraint_objects_of_wrong_type(error):
+    assert error(constraints=[{"name": "torch.sum"}]) == (
+        "constraints[0]: field '<item>' got {'name': 'torch.sum'}; expected a Constraint (or pass YAML text or a "
+        "path)")
+
+
+def test_one_parallel_style_per_module(mesh_1d2):
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(self.proj(x))
+
+    with pytest.raises(PolicyError) as info:
+        build_plan(Twice(), mesh_1d2, (torch.randn(2, 4),),
+                   constraints='- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0"]\n')
+    assert str(info.value) == (
+        "<yaml> entry 0 (line 1): field 'op' got '%1 torch.nn.functional.linear in proj [return self.proj(self.proj("
+        "x))]'; expected one partitioned op per module; module 'proj' already runs %0 torch.nn.functional.linear in "
+        "proj [return self.proj(self.proj(x))] with a ParallelStyle")
+
+
+def test_sequence_parallel_norm_on_replicated_input(mesh_1d2):
+    with pytest.raises(PolicyError) as info:
+        build_plan(MLP(), mesh_1d2, (torch.randn(3, 5, 8),),
+                   constraints='- name: torch.nn.functional.layer_norm\n  allowed_partition_dims: ["0,1"]\n')
+    assert str(info.value) == (
+        "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [return x + self.down(torch.nn."
+        "functional.gelu(self.up(self.norm(x))))]: field 'partition' got '0,1'; expected a sequence-parallel norm "
+        "whose input is sequence-sharded; shard the op producing its input (e.g. the embedding as '1,0') or do not "
+        "partition this norm")

@@ -1,0 +1,62 @@
+"""The traced view: op names (torch, Tensor methods, aten overloads, custom ops), modules and call expressions."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dtensor_ext.policy import build_plan
+from dtensor_ext.policy.graph_view import trace_graph
+
+
+@torch.library.custom_op("dtensor_ext_policy_test::scale", mutates_args=())
+def _scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+@_scale.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+class Inner(nn.Module):
+    def forward(self, x):
+        y = torch.ops.dtensor_ext_policy_test.scale(x, 2.0)
+        return torch.ops.aten.sum.dim_IntList(y, [0])
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(x).sum() + x.shape[0]
+
+
+def test_nodes_expose_op_module_and_call_expression():
+    graph = trace_graph(Outer(), (torch.randn(3, 4),))
+    assert [(n.names, n.fqn, n.module_class_chain, n.call_expr) for n in graph] == [
+        (("dtensor_ext_policy_test::scale",), "inner", ("Outer", "Inner"),
+         "y = torch.ops.dtensor_ext_policy_test.scale(x, 2.0)"),
+        (("aten::sum.dim_IntList", "aten::sum"), "inner", ("Outer", "Inner"),
+         "return torch.ops.aten.sum.dim_IntList(y, [0])"),
+        (("torch.Tensor.sum", "torch.sum"), "", ("Outer",), "return self.inner(x).sum() + x.shape[0]"),
+        (("torch.Tensor.add", "torch.add"), "", ("Outer",), "return self.inner(x).sum() + x.shape[0]"),
+    ]
+    assert graph.nodes[0].input_shapes == ((3, 4), None)
+    assert graph.module_calls["inner"].first_op == 0 and graph.module_calls["inner"].last_op == 1
+
+
+def test_constraints_match_custom_and_aten_names(mesh_1d2):
+    plan = build_plan(Outer(), mesh_1d2, (torch.randn(3, 4),), constraints="""\
+- name: dtensor_ext_policy_test::scale
+  allowed_partition_dims: ["0,1"]
+- name: aten::sum
+  parent_module: Inner
+  allowed_partition_dims: ["0,0"]
+""")
+    assert [c.describe() for c in plan.op_constraints] == [
+        "dtensor_ext_policy_test::scale #0 in inner: allowed [0,1], replica_allowed=True  [<yaml> entry 0 (line 1)]",
+        "aten::sum.dim_IntList #0 in inner: allowed [0,0], replica_allowed=True  [<yaml> entry 1 (line 3)]",
+    ]
