@@ -1,0 +1,43 @@
+"""The sequence-parallel pass as an inductor post-grad custom pass, so that ``torch.compile`` applies it::
+
+    torch._inductor.config.post_grad_custom_post_pass = SequenceParallelPass()
+
+Its uuid hashes this package's pass sources and the options, so inductor's FX graph cache is reused exactly
+when neither changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx import Graph
+
+from dtensor_ext.passes.sequence_parallel import SequenceParallelReport, rewrite_graph
+
+__all__ = ["SequenceParallelPass"]
+
+log = logging.getLogger(__name__)
+_SOURCES = tuple(str(p) for p in sorted(Path(__file__).parent.glob("*.py")))
+
+
+class SequenceParallelPass(CustomGraphPass):
+    """Runs :func:`rewrite_graph` on each post-grad graph; ``reports`` keeps one report per compiled graph."""
+
+    def __init__(self, **options: Any) -> None:
+        unknown = set(options) - {"token_dim", "token_local", "gather_points"}
+        if unknown:
+            raise TypeError(f"SequenceParallelPass: unknown options {sorted(unknown)}; expected token_dim, "
+                            "token_local, gather_points")
+        self.options = options
+        self.reports: list[SequenceParallelReport] = []
+
+    def __call__(self, graph: Graph) -> None:
+        self.reports.append(rewrite_graph(graph, **self.options))
+        if graph.owning_module is not None:
+            graph.owning_module.recompile()
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_SOURCES, extra=repr(sorted(self.options.items(), key=lambda kv: kv[0])))
