@@ -73,8 +73,11 @@ def insert_reduce_scatter(graph: Graph, all_reduce: Node, dim: int, group_size: 
 
 
 def insert_all_gather(graph: Graph, shard: Node, dim: int, group_size: int, group_name, before: Node) -> Node:
-    """Every rank's token shard of ``shard`` concatenated on ``dim``, computed just before ``before``."""
-    local = _shape(shard)
+    """Every rank's token shard of ``shard`` concatenated on ``dim``, computed just before ``before``.
+
+    ``shard.meta['val']`` still has the full (pre-rewrite) shape."""
+    full = _shape(shard)
+    local = full[:dim] + [full[dim] // group_size] + full[dim + 1 :]
     with graph.inserting_before(before):
         gathered = graph.call_function(ALL_GATHER, (shard, group_size, group_name))
         waited = graph.call_function(WAIT, (gathered,))
@@ -84,7 +87,6 @@ def insert_all_gather(graph: Graph, shard: Node, dim: int, group_size: int, grou
         order = [*range(1, dim + 1), 0, *range(dim + 1, len(local) + 1)]
         blocks = graph.call_function(_aten.permute.default, (blocks, order))
         blocks = graph.call_function(_aten.clone.default, (blocks,), {"memory_format": torch.contiguous_format})
-        full = local[:dim] + [local[dim] * group_size] + local[dim + 1 :]
         return graph.call_function(_aten.view.default, (blocks, full))
 
 

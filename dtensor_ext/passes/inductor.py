@@ -8,7 +8,6 @@ when neither changed.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from dtensor_ext.passes.sequence_parallel import SequenceParallelReport, rewrite
 
 __all__ = ["SequenceParallelPass"]
 
-log = logging.getLogger(__name__)
 _SOURCES = tuple(str(p) for p in sorted(Path(__file__).parent.glob("*.py")))
 
 
@@ -40,4 +38,15 @@ class SequenceParallelPass(CustomGraphPass):
             graph.owning_module.recompile()
 
     def uuid(self) -> bytes:
-        return get_hash_for_files(_SOURCES, extra=repr(sorted(self.options.items(), key=lambda kv: kv[0])))
+        return get_hash_for_files(_SOURCES, extra=_stable_repr(self.options))
+
+
+def _stable_repr(value: Any) -> str:
+    """Options spelled without object addresses: ops by name, rules by qualified name."""
+    if isinstance(value, dict):
+        return "{" + ",".join(sorted(f"{_stable_repr(k)}:{_stable_repr(v)}" for k, v in value.items())) + "}"
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return "[" + ",".join(sorted(_stable_repr(v) for v in value)) + "]"
+    if callable(value):
+        return getattr(value, "__qualname__", None) or str(value)
+    return repr(value)
