@@ -102,7 +102,7 @@ def rewrite_graph(
     order = {node: i for i, node in enumerate(graph.nodes)}
 
     def merge(parts: list[_Component]) -> _Component:
-        first = parts[0]
+        first = max(parts, key=lambda c: len(c.nodes))  # move the small ones: linear in the graph size
         for other in parts[1:]:
             if other is first:
                 continue
