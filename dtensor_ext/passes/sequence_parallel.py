@@ -103,7 +103,7 @@ def rewrite_graph(
 
     def merge(parts: list[_Component]) -> _Component:
         first = max(parts, key=lambda c: len(c.nodes))  # move the small ones: linear in the graph size
-        for other in parts[1:]:
+        for other in parts:
             if other is first:
                 continue
             first.seeds += other.seeds
