@@ -41,6 +41,7 @@ class SequenceParallelReport:
     all_gathers: int = 0
     dead_waits_removed: int = 0
     skipped: list[str] = field(default_factory=list)
+    sharded_nodes: list[str] = field(default_factory=list)  # names of the nodes now computing on token shards
 
     def summary(self) -> str:
         pats = ", ".join(f"{p}={self.patterns[p]}" for p in PATTERNS if self.patterns[p])
@@ -175,6 +176,7 @@ def _apply(graph, component, dims, local_args, seeds, order, report) -> None:
         for user in users:
             user.replace_input_with(shard, gathered)
         report.all_gathers += 1
+    report.sharded_nodes += [node.name for node in component.nodes]
     for node in component.nodes:
         if node in local_args and local_args[node].args is not None:
             node.args = local_args[node].args
