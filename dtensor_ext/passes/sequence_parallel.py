@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,31 +192,33 @@ def _apply(graph, component, dims, local_args, seeds, order, report) -> None:
 def _pattern(wait: Node, local_args: dict[Node, Local]) -> str:
     """P2: the all_reduce goes (through views) into a fused add+norm with the residual; P3: only into residual
     adds whose sum reaches a norm; P1: into a norm (before any residual add); otherwise plain token-local work."""
-    first_work = _region_users(wait, local_args, through={"view"})
+    first_work = _region_users(wait, local_args, passes={"view"}.__contains__)
     roles = {local_args[n].role for n in first_work}
     if "fused_add_norm" in roles:
         return "P2"
-    if roles == {"add"} and any(_reaches_norm(add, local_args, through=None) for add in first_work):
+    if roles == {"add"} and any(_reaches_norm(add, local_args, passes=_not_norm) for add in first_work):
         return "P3"
-    return "P1" if _reaches_norm(wait, local_args, through={"view", "elementwise"}) else "token_local"
+    return "P1" if _reaches_norm(wait, local_args, passes={"view", "elementwise"}.__contains__) else "token_local"
 
 
-def _region_users(start: Node, local_args: dict[Node, Local], through: set[str]) -> list[Node]:
-    """The first region nodes after ``start`` whose role is not in ``through``."""
+def _not_norm(role: str) -> bool:
+    return role not in _NORM_ROLES
+
+
+def _region_users(start: Node, local_args: dict[Node, Local], passes: Callable[[str], bool]) -> list[Node]:
+    """The first region nodes after ``start`` whose role does not pass."""
     found, frontier, seen = [], [start], set()
     while frontier:
         for user in frontier.pop().users:
             if user in local_args and user not in seen:
                 seen.add(user)
-                (frontier if local_args[user].role in through else found).append(user)
+                (frontier if passes(local_args[user].role) else found).append(user)
     return found
 
 
-def _reaches_norm(start: Node, local_args: dict[Node, Local], through: set[str] | None) -> bool:
-    """Whether a norm follows ``start`` in the region, passing only nodes whose role is in ``through`` (any)."""
-    every_role = {local_args[n].role for n in local_args}
-    found = _region_users(start, local_args, through=(every_role - _NORM_ROLES) if through is None else through)
-    return any(local_args[n].role in _NORM_ROLES for n in found)
+def _reaches_norm(start: Node, local_args: dict[Node, Local], passes: Callable[[str], bool]) -> bool:
+    """Whether a norm follows ``start`` in the region, walking only through nodes whose role passes."""
+    return any(local_args[n].role in _NORM_ROLES for n in _region_users(start, local_args, passes))
 
 
 def _refresh_meta(graph: Graph, changed: set[Node]) -> None:
