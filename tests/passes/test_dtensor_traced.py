@@ -1,0 +1,47 @@
+"""A DTensor tensor-parallel MLP stack traced with make_fx: DTensor's own all_reduces are rewritten."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dtensor_ext.passes import sequence_parallel
+from dtensor_ext.testing import simulated_mesh
+from dtensor_ext.testing.mesh import active_mode
+from tests.passes.graphs import WORLD, collective_ops, per_rank, run
+
+T, H, F_ = 8, 16, 8
+EMBED, W_UP, W_DOWN, LN = per_rank(T, H, seed=0), per_rank(H, F_, seed=1), per_rank(F_, H, seed=2), torch.randn(H)
+
+
+def test_dtensor_colwise_rowwise_stack_is_rewritten_and_matches():
+    with simulated_mesh((WORLD,)) as mesh:
+
+        def model(embed, w_up, w_down, ln):
+            """A vocab-parallel embedding (Partial) then two column-/row-parallel MLP layers with RMSNorm."""
+            h = DTensor.from_local(embed, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
+            up = DTensor.from_local(w_up, mesh, [Shard(1)], run_check=False)
+            down = DTensor.from_local(w_down, mesh, [Shard(0)], run_check=False)
+            norm_w = DTensor.from_local(ln, mesh, [Replicate()], run_check=False)
+            for _ in range(2):
+                y = F.silu(F.rms_norm(h, (H,), norm_w, 1e-5) @ up) @ down
+                h = h + y.redistribute(mesh, [Replicate()])
+            return F.rms_norm(h, (H,), norm_w, 1e-5).to_local()
+
+        def traced():
+            with active_mode().disable():
+                return make_fx(model, tracing_mode="fake")(EMBED[0], W_UP[0], W_DOWN[0], LN)
+
+        original, rewritten = traced(), sequence_parallel(traced())
+        inputs = [EMBED, W_UP, W_DOWN, LN]
+        before, after = run(original, inputs), run(rewritten, inputs)
+    for rank in range(WORLD):
+        torch.testing.assert_close(after[0][rank], before[0][rank])
+    assert_expected_inline(collective_ops(original), """all_reduce all_reduce all_reduce""")
+    assert_expected_inline(
+        rewritten.meta["sequence_parallel"].summary(),
+        """sequence_parallel: 3/3 all_reduce -> reduce_scatter (P1=1, P3=2), 3 all_gather inserted""",
+    )
