@@ -50,6 +50,11 @@ def collective_ops(gm: torch.fx.GraphModule) -> str:
     )
 
 
+def collectives_and_summary(gm: torch.fx.GraphModule) -> str:
+    """The rewritten graph's collectives, then the pass's report summary."""
+    return collective_ops(gm) + "\n" + gm.meta["sequence_parallel"].summary()
+
+
 def op_sequence(gm: torch.fx.GraphModule) -> str:
     """Every call's op name in graph order, one line, for expecttest dumps of small graphs."""
     return " ".join(
