@@ -14,7 +14,7 @@ from typing import Any
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph
 
-from dtensor_ext.passes.sequence_parallel import SequenceParallelReport, rewrite_graph
+from dtensor_ext.passes.sequence_parallel import SequenceParallelReport, check_options, rewrite_graph
 
 __all__ = ["SequenceParallelPass"]
 
@@ -25,10 +25,7 @@ class SequenceParallelPass(CustomGraphPass):
     """Runs :func:`rewrite_graph` on each post-grad graph; ``reports`` keeps one report per compiled graph."""
 
     def __init__(self, **options: Any) -> None:
-        unknown = set(options) - {"token_dim", "token_local", "gather_points"}
-        if unknown:
-            raise TypeError(f"SequenceParallelPass: unknown options {sorted(unknown)}; expected token_dim, "
-                            "token_local, gather_points")
+        check_options(options, "SequenceParallelPass")
         self.options = options
         self.reports: list[SequenceParallelReport] = []
 

@@ -65,9 +65,25 @@ class _Component:
 
 def _seed_token_dim(wait: Node, token_dim: int | None) -> int | None:
     val = wait.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.ndim < 2 and token_dim is None:
+    if not isinstance(val, torch.Tensor) or val.ndim < 1:
         return None
-    return (val.ndim - 2 if token_dim is None else token_dim) % val.ndim
+    dim = val.ndim - 2 if token_dim is None else token_dim
+    return dim % val.ndim if -val.ndim <= dim < val.ndim else None
+
+
+OPTIONS = ("token_dim", "token_local", "gather_points")
+
+
+def check_options(options: dict[str, Any], who: str) -> None:
+    """Refuse misspelled or mistyped options, naming the option and what was expected."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"{who}: unknown options {unknown}; expected some of {list(OPTIONS)}")
+    token_dim = options.get("token_dim")
+    if token_dim is not None and (not isinstance(token_dim, int) or isinstance(token_dim, bool)):
+        raise TypeError(f"{who}: token_dim={token_dim!r}; expected an int (a tensor dim) or None")
+    if not isinstance(options.get("token_local", {}), dict):
+        raise TypeError(f"{who}: token_local must be a dict {{op: rule}}, got {type(options['token_local']).__name__}")
 
 
 def rewrite_graph(
@@ -92,8 +108,11 @@ def rewrite_graph(
             )
         dim = _seed_token_dim(wait, token_dim)
         size = group_size(all_reduce.args[2])
-        tokens = wait.meta["val"].shape[dim] if dim is not None else None
-        if dim is None or not isinstance(tokens, int) or tokens % size or tokens < size:
+        if dim is None:
+            report.skipped.append(f"{all_reduce.name}: token_dim {token_dim} is not a dim of {wait.meta['val'].shape}")
+            continue
+        tokens = wait.meta["val"].shape[dim]
+        if not isinstance(tokens, int) or tokens % size or tokens < size:
             report.skipped.append(f"{all_reduce.name}: token dim {dim} of size {tokens} does not divide by {size}")
             continue
         seeds[wait] = (all_reduce, dim, size)
@@ -238,9 +257,7 @@ def sequence_parallel(gm: GraphModule, **options: Any) -> GraphModule:
     """
     if not isinstance(gm, GraphModule):
         raise TypeError(f"sequence_parallel: expected a torch.fx.GraphModule, got {type(gm).__name__}")
-    unknown = set(options) - {"token_dim", "token_local", "gather_points"}
-    if unknown:
-        raise TypeError(f"sequence_parallel: unknown options {sorted(unknown)}; expected token_dim, token_local, gather_points")
+    check_options(options, "sequence_parallel")
     report = rewrite_graph(gm.graph, **options)
     if report.converted:
         gm.recompile()

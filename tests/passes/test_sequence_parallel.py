@@ -220,5 +220,7 @@ def test_bad_options_are_named(group):
     gm = trace(lambda p: p * 2, FULL)
     with pytest.raises(TypeError, match="unknown options \\['token_dims'\\]"):
         sequence_parallel(gm, token_dims=0)
+    with pytest.raises(TypeError, match="token_dim='S'; expected an int"):
+        sequence_parallel(gm, token_dim="S")
     with pytest.raises(TypeError, match="expected a torch.fx.GraphModule"):
         sequence_parallel(gm.graph)
