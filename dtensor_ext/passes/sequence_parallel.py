@@ -64,8 +64,9 @@ class _Component:
 
 
 def _seed_token_dim(wait: Node, token_dim: int | None) -> int | None:
+    """[T, H] -> 0, [B, S, H] -> 1 unless ``token_dim`` says otherwise; None when there is no such dim."""
     val = wait.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.ndim < 1:
+    if not isinstance(val, torch.Tensor) or val.ndim < (2 if token_dim is None else 1):
         return None
     dim = val.ndim - 2 if token_dim is None else token_dim
     return dim % val.ndim if -val.ndim <= dim < val.ndim else None
@@ -186,6 +187,7 @@ def rewrite_graph(
 
 
 def _apply(graph, component, dims, local_args, seeds, order, report) -> None:
+    """Gather each shard before its first full-token consumer, shrink shape arguments, swap the collectives."""
     _, _, size = seeds[component.seeds[0][1]]
     group_name = component.seeds[0][0].args[2]
     for wait in (w for _, w in component.seeds):
