@@ -208,3 +208,18 @@ def current_local_tensor_mode() -> LocalTensorMode | None:
     from torch.distributed._local_tensor import local_tensor_mode
 
     return local_tensor_mode()
+
+
+def group_size(group_name: Any) -> int:
+    """Ranks in the process group a functional collective names (its ``group_name`` argument)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def fake_mode_of(values: Sequence[Any]):
+    """The FakeTensorMode the traced ``values`` live in (a fresh one where they carry none), for graph passes."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)]) or FakeTensorMode()

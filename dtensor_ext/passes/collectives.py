@@ -1,0 +1,103 @@
+"""Building blocks for graphs that carry functional collectives (``torch.ops._c10d_functional``).
+
+Functional collectives always scatter and gather along dim 0; a token dim elsewhere is moved to the front by
+a view/permute pair around the collective. ``wait_tensor`` counts as side-effectful for FX dead-code
+elimination, so dead collectives are removed here explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+
+__all__ = [
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "REDUCE_SCATTER",
+    "WAIT",
+    "all_reduce_waits",
+    "eliminate_dead_collectives",
+    "insert_all_gather",
+    "insert_reduce_scatter",
+    "is_collective",
+]
+
+_c10d = torch.ops._c10d_functional
+_aten = torch.ops.aten
+ALL_REDUCE = _c10d.all_reduce.default
+REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+WAIT = _c10d.wait_tensor.default
+_COLLECTIVE_NAMESPACE = "_c10d_functional"
+
+
+def is_collective(node: Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and getattr(target, "namespace", None) == _COLLECTIVE_NAMESPACE and target != WAIT
+
+
+def all_reduce_waits(graph: Graph) -> list[tuple[Node, Node]]:
+    """(all_reduce, wait_tensor) pairs where the wait is the all_reduce's only user."""
+    pairs = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target == ALL_REDUCE and len(node.users) == 1:
+            (wait,) = node.users
+            if wait.target == WAIT:
+                pairs.append((node, wait))
+    return pairs
+
+
+def _shape(node: Node) -> list[int]:
+    return list(node.meta["val"].shape)
+
+
+def _token_dim_to_front(graph: Graph, value: Node, shape: list[int], dim: int, group_size: int) -> Node:
+    """[..., T, ...] -> [n * prefix, T / n, ...]: chunk r of the token dim lands in block r of dim 0."""
+    split = shape[:dim] + [group_size, shape[dim] // group_size] + shape[dim + 1 :]
+    order = [dim, *range(dim), *range(dim + 1, len(split))]
+    front = graph.call_function(_aten.view.default, (value, split))
+    front = graph.call_function(_aten.permute.default, (front, order))
+    front = graph.call_function(_aten.clone.default, (front,), {"memory_format": torch.contiguous_format})
+    merged = [group_size * shape[0]] + shape[1:dim] + [shape[dim] // group_size] + shape[dim + 1 :]
+    return graph.call_function(_aten.view.default, (front, merged))
+
+
+def insert_reduce_scatter(graph: Graph, all_reduce: Node, dim: int, group_size: int) -> Node:
+    """A reduce_scatter on ``dim`` computing this rank's token shard of ``all_reduce``; returns its wait."""
+    source, reduce_op, group_name = all_reduce.args
+    shape = _shape(source)
+    with graph.inserting_before(all_reduce):
+        front = source if dim == 0 else _token_dim_to_front(graph, source, shape, dim, group_size)
+        scattered = graph.call_function(REDUCE_SCATTER, (front, reduce_op, group_size, group_name))
+        return graph.call_function(WAIT, (scattered,))
+
+
+def insert_all_gather(graph: Graph, shard: Node, dim: int, group_size: int, group_name, before: Node) -> Node:
+    """Every rank's token shard of ``shard`` concatenated on ``dim``, computed just before ``before``.
+
+    ``shard.meta['val']`` still has the full (pre-rewrite) shape."""
+    full = _shape(shard)
+    local = full[:dim] + [full[dim] // group_size] + full[dim + 1 :]
+    with graph.inserting_before(before):
+        gathered = graph.call_function(ALL_GATHER, (shard, group_size, group_name))
+        waited = graph.call_function(WAIT, (gathered,))
+        if dim == 0:
+            return waited
+        blocks = graph.call_function(_aten.view.default, (waited, [group_size, *local]))
+        order = [*range(1, dim + 1), 0, *range(dim + 1, len(local) + 1)]
+        blocks = graph.call_function(_aten.permute.default, (blocks, order))
+        blocks = graph.call_function(_aten.clone.default, (blocks,), {"memory_format": torch.contiguous_format})
+        return graph.call_function(_aten.view.default, (blocks, full))
+
+
+def eliminate_dead_collectives(graph: Graph) -> int:
+    """Drop waits nobody reads together with their collectives, then ordinary dead code; returns waits removed."""
+    removed = 0
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node.target == WAIT and not node.users:
+            (source,) = node.args
+            if isinstance(source, Node) and is_collective(source) and len(source.users) == 1:
+                graph.erase_node(node)
+                removed += 1
+    graph.eliminate_dead_code()
+    return removed

@@ -1,0 +1,267 @@
+"""The sequence-parallel pass: all_reduce -> reduce_scatter on the token dim, token-local work on the shard,
+all_gather just before the first consumer that needs every token.
+
+One forward sweep over the graph marks which values can live as token shards: the result of every summing
+all_reduce (when its token dim divides by the group) and every token-local op whose sharded inputs agree on
+the token dim and whose other inputs carry no token dim. Shards that touch each other (a residual add of two
+layers' all_reduces) form one component, so a residual stream stays sharded from layer to layer. A component is
+rewritten only when all its consumers outside it are gather points (matmuls, token-moving views, the graph
+output) and it does some arithmetic; otherwise none of its all_reduces changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from dtensor_ext._compat import fake_mode_of, group_size
+from dtensor_ext.passes import collectives
+from dtensor_ext.passes.token_local import GATHER_POINTS, TOKEN_LOCAL, Local, TokenRule
+
+__all__ = ["SequenceParallelReport", "rewrite_graph", "sequence_parallel"]
+
+log = logging.getLogger(__name__)
+
+PATTERNS = ("P1", "P2", "P3", "token_local")
+_NORM_ROLES = {"norm", "reduction", "fused_add_norm"}
+
+
+@dataclass
+class SequenceParallelReport:
+    """What the pass did: counts per seed pattern, collectives inserted, and why all_reduces were left alone."""
+
+    all_reduces: int = 0
+    converted: int = 0
+    patterns: Counter = field(default_factory=Counter)
+    all_gathers: int = 0
+    dead_waits_removed: int = 0
+    skipped: list[str] = field(default_factory=list)
+    sharded_nodes: list[str] = field(default_factory=list)  # names of the nodes now computing on token shards
+
+    def summary(self) -> str:
+        pats = ", ".join(f"{p}={self.patterns[p]}" for p in PATTERNS if self.patterns[p])
+        lines = [
+            f"sequence_parallel: {self.converted}/{self.all_reduces} all_reduce -> reduce_scatter"
+            f" ({pats or 'none'}), {self.all_gathers} all_gather inserted"
+        ]
+        lines += [f"  left alone: {reason}" for reason in self.skipped]
+        return "\n".join(lines)
+
+
+@dataclass
+class _Component:
+    seeds: list[tuple[Node, Node]] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    gathers: dict[Node, list[Node]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    arithmetic: int = 0
+
+
+def _seed_token_dim(wait: Node, token_dim: int | None) -> int | None:
+    """[T, H] -> 0, [B, S, H] -> 1 unless ``token_dim`` says otherwise; None when there is no such dim."""
+    val = wait.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.ndim < (2 if token_dim is None else 1):
+        return None
+    dim = val.ndim - 2 if token_dim is None else token_dim
+    return dim % val.ndim if -val.ndim <= dim < val.ndim else None
+
+
+OPTIONS = ("token_dim", "token_local", "gather_points")
+
+
+def check_options(options: dict[str, Any], who: str) -> None:
+    """Refuse misspelled or mistyped options, naming the option and what was expected."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"{who}: unknown options {unknown}; expected some of {list(OPTIONS)}")
+    token_dim = options.get("token_dim")
+    if token_dim is not None and (not isinstance(token_dim, int) or isinstance(token_dim, bool)):
+        raise TypeError(f"{who}: token_dim={token_dim!r}; expected an int (a tensor dim) or None")
+    if not isinstance(options.get("token_local", {}), dict):
+        raise TypeError(f"{who}: token_local must be a dict {{op: rule}}, got {type(options['token_local']).__name__}")
+
+
+def rewrite_graph(
+    graph: Graph,
+    *,
+    token_dim: int | None = None,
+    token_local: dict[Any, TokenRule] | None = None,
+    gather_points: set[Any] | frozenset[Any] = frozenset(),
+) -> SequenceParallelReport:
+    """Rewrite ``graph`` in place; see :func:`sequence_parallel`."""
+    rules = {**TOKEN_LOCAL, **(token_local or {})}
+    gather_ok = GATHER_POINTS | set(gather_points)
+    report = SequenceParallelReport()
+    pairs = collectives.all_reduce_waits(graph)
+    report.all_reduces = len(pairs)
+    seeds: dict[Node, tuple[Node, int, int]] = {}
+    for all_reduce, wait in pairs:
+        if "val" not in wait.meta:
+            raise ValueError(
+                f"sequence_parallel: node {wait.name} has no meta['val']; trace with make_fx(tracing_mode='fake') or "
+                "torch.compile so that nodes carry their shapes"
+            )
+        dim = _seed_token_dim(wait, token_dim)
+        size = group_size(all_reduce.args[2])
+        if dim is None:
+            report.skipped.append(f"{all_reduce.name}: token_dim {token_dim} is not a dim of {wait.meta['val'].shape}")
+            continue
+        tokens = wait.meta["val"].shape[dim]
+        if not isinstance(tokens, int) or tokens % size or tokens < size:
+            report.skipped.append(f"{all_reduce.name}: token dim {dim} of size {tokens} does not divide by {size}")
+            continue
+        seeds[wait] = (all_reduce, dim, size)
+
+    dims: dict[Node, int] = {}
+    local_args: dict[Node, Local] = {}
+    owner: dict[Node, _Component] = {}
+    order = {node: i for i, node in enumerate(graph.nodes)}
+
+    def merge(parts: list[_Component]) -> _Component:
+        first = max(parts, key=lambda c: len(c.nodes))  # move the small ones: linear in the graph size
+        for other in parts:
+            if other is first:
+                continue
+            first.seeds += other.seeds
+            first.nodes += other.nodes
+            first.problems += other.problems
+            first.arithmetic += other.arithmetic
+            for shard, users in other.gathers.items():
+                first.gathers.setdefault(shard, []).extend(users)
+            for node in other.nodes:
+                owner[node] = first
+        return first
+
+    for node in graph.nodes:
+        if node in seeds:
+            all_reduce, dim, _ = seeds[node]
+            component = _Component(seeds=[(all_reduce, node)], nodes=[node])
+            owner[node], dims[node] = component, dim
+            continue
+        sharded = [i for i in node.all_input_nodes if i in dims]
+        if not sharded:
+            continue
+        parts = list({id(owner[i]): owner[i] for i in sharded}.values())
+        rule = rules.get(node.target) if node.op == "call_function" else None
+        local = rule(node, dims, seeds[parts[0].seeds[0][1]][2]) if rule is not None else None
+        if local is not None:
+            component = merge(parts)
+            owner[node], dims[node], local_args[node] = component, local.dim, local
+            component.nodes.append(node)
+            component.arithmetic += local.role != "view"
+            continue
+        for shard in sharded:
+            component = owner[shard]
+            if node.op == "output" or node.target in gather_ok:
+                component.gathers.setdefault(shard, []).append(node)
+            else:
+                component.problems.append(f"{node.name} ({node.target}) needs every token of {shard.name}")
+
+    components = list({id(c): c for c in owner.values()}.values())
+    accepted = []
+    for component in components:
+        groups = {seeds[wait][0].args[2] for _, wait in component.seeds}
+        names = ", ".join(a.name for a, _ in component.seeds)
+        if component.problems:
+            report.skipped.append(f"{names}: " + "; ".join(component.problems))
+        elif not component.arithmetic:
+            report.skipped.append(f"{names}: no token-local arithmetic before every token is needed again")
+        elif len(groups) != 1:
+            report.skipped.append(f"{names}: all_reduces over different groups {sorted(map(str, groups))} meet")
+        else:
+            accepted.append(component)
+            _apply(graph, component, dims, local_args, seeds, order, report)
+    changed = {node for component in accepted for node in component.nodes}
+    if report.converted:
+        report.dead_waits_removed = collectives.eliminate_dead_collectives(graph)
+        _refresh_meta(graph, changed)
+        graph.lint()
+    log.info("%s", report.summary())
+    return report
+
+
+def _apply(graph, component, dims, local_args, seeds, order, report) -> None:
+    """Gather each shard before its first full-token consumer, shrink shape arguments, swap the collectives."""
+    _, _, size = seeds[component.seeds[0][1]]
+    group_name = component.seeds[0][0].args[2]
+    for wait in (w for _, w in component.seeds):
+        report.patterns[_pattern(wait, local_args)] += 1
+    for shard, users in component.gathers.items():
+        first = min(users, key=order.__getitem__)
+        gathered = collectives.insert_all_gather(graph, shard, dims[shard], size, group_name, before=first)
+        for user in users:
+            user.replace_input_with(shard, gathered)
+        report.all_gathers += 1
+    report.sharded_nodes += [node.name for node in component.nodes]
+    for node in component.nodes:
+        if node in local_args and local_args[node].args is not None:
+            node.args = local_args[node].args
+    for all_reduce, wait in component.seeds:
+        scattered = collectives.insert_reduce_scatter(graph, all_reduce, dims[wait], size)
+        wait.replace_all_uses_with(scattered)
+        graph.erase_node(wait)
+        graph.erase_node(all_reduce)
+        report.converted += 1
+
+
+def _pattern(wait: Node, local_args: dict[Node, Local]) -> str:
+    """P2: the all_reduce goes (through views) into a fused add+norm with the residual; P3: only into residual
+    adds whose sum reaches a norm; P1: into a norm (before any residual add); otherwise plain token-local work."""
+    first_work = _region_users(wait, local_args, passes={"view"}.__contains__)
+    roles = {local_args[n].role for n in first_work}
+    if "fused_add_norm" in roles:
+        return "P2"
+    if roles == {"add"} and any(_reaches_norm(add, local_args, passes=_not_norm) for add in first_work):
+        return "P3"
+    return "P1" if _reaches_norm(wait, local_args, passes={"view", "elementwise"}.__contains__) else "token_local"
+
+
+def _not_norm(role: str) -> bool:
+    return role not in _NORM_ROLES
+
+
+def _region_users(start: Node, local_args: dict[Node, Local], passes: Callable[[str], bool]) -> list[Node]:
+    """The first region nodes after ``start`` whose role does not pass."""
+    found, frontier, seen = [], [start], set()
+    while frontier:
+        for user in frontier.pop().users:
+            if user in local_args and user not in seen:
+                seen.add(user)
+                (frontier if passes(local_args[user].role) else found).append(user)
+    return found
+
+
+def _reaches_norm(start: Node, local_args: dict[Node, Local], passes: Callable[[str], bool]) -> bool:
+    """Whether a norm follows ``start`` in the region, walking only through nodes whose role passes."""
+    return any(local_args[n].role in _NORM_ROLES for n in _region_users(start, local_args, passes))
+
+
+def _refresh_meta(graph: Graph, changed: set[Node]) -> None:
+    """Recompute meta['val'] of changed and new nodes on fake tensors, so later passes (inductor) see shards."""
+    with fake_mode_of([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]):
+        for node in graph.nodes:
+            if node.op == "call_function" and (node in changed or "val" not in node.meta):
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+                node.meta["val"] = node.target(*args, **kwargs)
+
+
+def sequence_parallel(gm: GraphModule, **options: Any) -> GraphModule:
+    """Apply sequence parallelism to ``gm`` in place and return it; the report lands in ``gm.meta``.
+
+    Options: ``token_dim`` (default: ndim - 2, i.e. 0 for [T, H], 1 for [B, S, H]), ``token_local`` (extra
+    ``{op: rule}`` entries for this call), ``gather_points`` (extra ops that may receive a gathered input).
+    """
+    if not isinstance(gm, GraphModule):
+        raise TypeError(f"sequence_parallel: expected a torch.fx.GraphModule, got {type(gm).__name__}")
+    check_options(options, "sequence_parallel")
+    report = rewrite_graph(gm.graph, **options)
+    if report.converted:
+        gm.recompile()
+    gm.meta["sequence_parallel"] = report
+    return gm
