@@ -190,3 +190,21 @@ def is_placeholder(p: object) -> bool:
 
 def fill_placeholders(row: Sequence[Any], shard_type: Callable[[int], Placement] = Shard) -> list[Any]:
     return [shard_type(p.dim) if is_placeholder(p) else p for p in row]
+
+
+def default_store():
+    """The c10d key-value store of the default process group (private in torch); the tuner's failure flag lives there."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def flat_collectives():
+    """(all_gather, reduce_scatter) on flat tensors: the *_single names where this torch has them (2.13+ deprecates
+    the *_into_tensor/*_tensor names), the older names otherwise."""
+    import torch.distributed as dist
+
+    return (
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+        getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
+    )
