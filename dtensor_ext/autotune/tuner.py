@@ -48,7 +48,8 @@ class TuneResult:
     cache_hit: bool
     entry: CalibrationEntry
     steps: list[Step]
-    measurements: dict[str, dict[str, float]] = field(default_factory=dict)  # step -> implementation -> median s
+    # step -> implementation -> agreed median seconds, in benchmark order (the default first); empty on a cache hit
+    measurements: dict[str, dict[str, float]] = field(default_factory=dict)
     held_out: dict[int, float] = field(default_factory=dict)  # mesh dim -> worst predicted/measured ratio
     failure: str | None = None
 
