@@ -94,23 +94,29 @@ class CalibrationEntry:
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> AlphaBeta:
-    """Least-squares line through (received bytes, seconds), kept physical: alpha, beta >= 0.
+    """The line through (received bytes, seconds) with the least squared *relative* error, kept physical.
 
-    A negative intercept (noise at small sizes) refits through the origin; a negative slope keeps only a latency.
+    Relative, because the planner compares ratios of costs and timings are noisy in proportion to their size:
+    plain least squares lets the largest message decide and can miss small ones by orders of magnitude.
+    A negative intercept refits through the origin; a negative slope keeps only a latency.
     """
     if len({b for b, _ in points}) < 2:
         raise ValueError(f"alpha-beta fit: need measurements at two or more sizes, got {list(points)}")
-    n = len(points)
-    mean_b = sum(b for b, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    var_b = sum((b - mean_b) ** 2 for b, _ in points)
-    beta = sum((b - mean_b) * (t - mean_t) for b, t in points) / var_b
-    alpha = mean_t - beta * mean_b
+    if any(t <= 0 for _, t in points):
+        raise ValueError(f"alpha-beta fit: times must be positive, got {list(points)}")
+    # Minimise sum(((alpha + beta*b) / t - 1)^2): weighted least squares with weights 1/t^2.
+    w = [1 / (t * t) for _, t in points]
+    sw = sum(w)
+    sb = sum(wi * b for wi, (b, _) in zip(w, points))
+    st = sum(wi * t for wi, (_, t) in zip(w, points))
+    sbb = sum(wi * b * b for wi, (b, _) in zip(w, points))
+    sbt = sum(wi * b * t for wi, (b, t) in zip(w, points))
+    beta = (sw * sbt - sb * st) / (sw * sbb - sb * sb)
+    alpha = (st - beta * sb) / sw
     if beta < 0:
-        return AlphaBeta(alpha_s=mean_t, beta_s_per_byte=0.0)
+        return AlphaBeta(alpha_s=st / sw, beta_s_per_byte=0.0)
     if alpha < 0:
-        beta = sum(b * t for b, t in points) / sum(b * b for b, _ in points)
-        return AlphaBeta(alpha_s=0.0, beta_s_per_byte=beta)
+        return AlphaBeta(alpha_s=0.0, beta_s_per_byte=sbt / sbb)
     return AlphaBeta(alpha_s=alpha, beta_s_per_byte=beta)
 
 

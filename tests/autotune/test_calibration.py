@@ -87,8 +87,23 @@ def test_fit_recovers_a_line_and_stays_physical():
     ab = fit_alpha_beta(line)
     assert ab.alpha_s == pytest.approx(2e-5) and ab.beta_s_per_byte == pytest.approx(3e-10)
     assert held_out_factor(line) == pytest.approx(1.0)
-    assert fit_alpha_beta([(1e3, 5e-3), (1e6, 1e-3)]) == AlphaBeta(3e-3, 0.0)  # falling times: latency only
+    # Falling times: latency only, the constant with the least squared relative error (sum 1/t over sum 1/t^2).
+    latency_only = fit_alpha_beta([(1e3, 5e-3), (1e6, 1e-3)])
+    assert latency_only.beta_s_per_byte == 0.0 and latency_only.alpha_s == pytest.approx(1200 / 1.04e6)
     through_origin = fit_alpha_beta([(1e3, 1e-7), (1e6, 1e-3), (2e6, 2.1e-3)])
     assert through_origin.alpha_s == 0.0 and through_origin.beta_s_per_byte > 0
     with pytest.raises(ValueError, match="two or more sizes"):
         fit_alpha_beta([(1e3, 1.0), (1e3, 2.0)])
+
+
+def test_steps_round_sizes_and_count_received_bytes():
+    from dtensor_ext.autotune.steps import default_steps
+
+    steps = default_steps((2, 4), [1000, 4096], itemsize=4)
+    by_name = {s.name: s for s in steps}
+    # 1000 B is rounded down to whole float32 elements divisible by the group (2, 4 or 8 ranks).
+    assert "all_gather/mesh_dims=0/bytes=1000" in by_name and "all_gather/mesh_dims=1/bytes=992" in by_name
+    assert "all_gather_over_dims/mesh_dims=0+1/bytes=992" in by_name
+    assert by_name["all_gather/mesh_dims=1/bytes=4096"].received_bytes((2, 4)) == 3 * 4096
+    assert by_name["all_gather_over_dims/mesh_dims=0+1/bytes=4096"].received_bytes((2, 4)) == 7 * 4096
+    assert [s.collective for s in steps[:2]] == ["all_gather", "all_gather"]  # calibration first

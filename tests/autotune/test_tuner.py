@@ -17,7 +17,7 @@ from tests.autotune.ranks import run_ranks
 MESH = (2, 2)
 SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # Worst held-out prediction ratio accepted; docs/autotune.md gives the measured spread and why it is this loose.
-HELD_OUT_FACTOR = 4.0
+HELD_OUT_FACTOR = 8.0
 DEFAULTS = {collective: next(iter(impls)) for collective, impls in IMPLEMENTATIONS.items()}
 FAULT_TIMEOUT_S = 3.0
 MARGIN_S = 3.0  # scheduling slack for 4 processes on 2 shared cores
