@@ -102,7 +102,7 @@ def _all_to_all_send_recv(g: Guard, dims: tuple[int, ...], x: torch.Tensor) -> t
         if peer != me:
             ops.append(dist.P2POp(dist.isend, sends[peer], group=group, group_peer=peer))
             ops.append(dist.P2POp(dist.irecv, recvs[peer], group=group, group_peer=peer))
-    for work in dist.batch_isend_irecv(ops):
+    for work in dist.batch_isend_irecv(ops) if ops else []:  # a one-rank group has nobody to talk to
         g.wait(work, "send/recv")
     return out
 

@@ -166,7 +166,8 @@ class Autotuner:
                 and default in result.measurements.get(s.name, {})
             ]
             if len({b for b, _ in points}) < 2:
-                logger.warning("autotune: mesh dim %d: %d all-gather sizes measured, no alpha-beta fit", d, len(points))
+                logger.warning("autotune: mesh dim %d: all-gathers measured at fewer than two received sizes "
+                               "(a one-rank dim receives nothing), no alpha-beta fit", d)
                 continue
             fitted[d] = fit_alpha_beta(points)
             if len(points) >= 3:
