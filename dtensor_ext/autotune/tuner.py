@@ -76,11 +76,12 @@ class Autotuner:
                 f"Autotuner: mesh_shape {self.mesh_shape} holds {math.prod(self.mesh_shape)} ranks, "
                 f"expected the world size {dist.get_world_size()}"
             )
-        for name, value in (("warmup", warmup), ("runs", runs)):
-            if value < (0 if name == "warmup" else 1):
-                raise ValueError(f"Autotuner: {name}={value} is too small")
+        if warmup < 0 or runs < 1:
+            raise ValueError(f"Autotuner: warmup={warmup}, runs={runs}; expected warmup >= 0 and runs >= 1")
         if not timeout_s > 0:
             raise ValueError(f"Autotuner: timeout_s={timeout_s}, expected a positive number of seconds")
+        if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+            raise ValueError(f"Autotuner: sizes={tuple(sizes)}, expected positive byte counts per rank")
         self.backend = dist.get_backend()
         use_cuda = self.backend == "nccl" and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
@@ -93,10 +94,13 @@ class Autotuner:
     def tune(self) -> TuneResult:
         result = TuneResult(self.key, False, CalibrationEntry({}, {}), self.steps)
         guard = None
+        local_entry = None  # read before any collective: a malformed file is the user's error and raises here
+        if self.calibration_path is not None and not self.force:
+            local_entry = read_calibration(self.calibration_path).get(self.key)
         try:
             dim_sets = sorted({s.mesh_dims for s in self.steps})
             guard = Guard(self.mesh_shape, dim_sets, self.timeout_s, self.backend, self.device, f"run{next(_run_ids)}")
-            cached = self._agreed_cache_entry(guard)
+            cached = self._agreed_cache_entry(guard, local_entry)
         except Exception as exc:
             result.failure = f"setup on rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
             logger.warning("autotune: %s", result.failure, exc_info=True)
@@ -111,11 +115,8 @@ class Autotuner:
             write_calibration_entry(self.calibration_path, self.key, result.entry)
         return result
 
-    def _agreed_cache_entry(self, guard: Guard) -> CalibrationEntry | None:
-        """The cached entry when every rank has one covering every step without fallbacks, else None."""
-        entry = None
-        if self.calibration_path is not None and not self.force:
-            entry = read_calibration(self.calibration_path).get(self.key)
+    def _agreed_cache_entry(self, guard: Guard, entry: CalibrationEntry | None) -> CalibrationEntry | None:
+        """`entry` when every rank has one covering every step without fallbacks, else None."""
         usable = entry is not None and all(
             s.name in entry.choices and not entry.choices[s.name].fallback for s in self.steps
         )

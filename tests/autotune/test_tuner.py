@@ -148,3 +148,24 @@ def test_faulty_rank_falls_back_within_timeout(fault):
     assert all(p == picked[0] for p in picked)
     if fault == "raise":
         assert "injected fault" in out[2]["failure"]
+
+
+def tune_without_rank_3(rank: int) -> dict | None:
+    """Rank 3 never joins (its process exits); the others must still come back, with every step on its default."""
+    from dtensor_ext.autotune import Autotuner
+
+    if rank == 3:
+        return None
+    start = time.monotonic()
+    result = Autotuner(MESH, sizes=(4096,), warmup=1, runs=3, timeout_s=FAULT_TIMEOUT_S).tune()
+    return {"elapsed_s": time.monotonic() - start, "failure": result.failure,
+            "choices": result.entry.to_json()["choices"]}
+
+
+def test_absent_rank_means_defaults_everywhere():
+    out = run_ranks(tune_without_rank_3, timeout_s=120)
+    for rank in (0, 1, 2):
+        o = out[rank]
+        assert o["elapsed_s"] <= FAULT_TIMEOUT_S + MARGIN_S, (rank, o["elapsed_s"])
+        assert o["failure"] is not None
+        assert all(c["fallback"] and c["implementation"] == DEFAULTS[n.split("/")[0]] for n, c in o["choices"].items())
