@@ -193,7 +193,7 @@ def fill_placeholders(row: Sequence[Any], shard_type: Callable[[int], Placement]
 
 
 def default_store():
-    """The c10d key-value store of the default process group (private in torch); the tuner's failure flag lives there."""
+    """The c10d key-value store of the default process group (private in torch); holds the tuner's failure flag."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()

@@ -43,7 +43,8 @@ def run_ranks(fn: Callable, *args: Any, world: int = 4, timeout_s: float = 90.0)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, results, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, results, args), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

@@ -64,9 +64,11 @@ def test_file_is_exactly_the_agreed_format(tmp_path):
     "mutate, message",
     [
         (lambda d: d.update(version=2), "field 'version' must be 1"),
-        (lambda d: d["entries"]["k"]["per_mesh_dim"]["0"].pop("alpha_s"), r"entry 'k', per_mesh_dim\['0'\]: field 'alpha_s'"),
+        (lambda d: d["entries"]["k"]["per_mesh_dim"]["0"].pop("alpha_s"),
+         r"entry 'k', per_mesh_dim\['0'\]: field 'alpha_s'"),
         (lambda d: d["entries"]["k"]["per_mesh_dim"].update(x={}), "mesh-dim indices"),
-        (lambda d: d["entries"]["k"]["choices"]["s"].update(fallback="no"), r"choices\['s'\]: field 'fallback' must be bool"),
+        (lambda d: d["entries"]["k"]["choices"]["s"].update(fallback="no"),
+         r"choices\['s'\]: field 'fallback' must be bool"),
         (lambda d: d["entries"]["k"]["choices"]["s"].update(median_s=None), "field 'median_s' must be a finite number"),
         (lambda d: d["entries"]["k"]["choices"]["s"].update(reason=3), "field 'reason' must be a string or null"),
     ],

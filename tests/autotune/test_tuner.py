@@ -47,7 +47,8 @@ def _same_outputs_everywhere() -> bool:
         outputs = [fn(guard, step.mesh_dims, x) for fn in IMPLEMENTATIONS[step.collective].values()]
         if not all(torch.equal(outputs[0], o) for o in outputs[1:]):
             return False
-        if step.collective == "all_gather_over_dims" and not torch.equal(outputs[0], torch.arange(4 * x.numel()).float()):
+        everyone_in_rank_order = torch.arange(4 * x.numel()).float()
+        if step.collective == "all_gather_over_dims" and not torch.equal(outputs[0], everyone_in_rank_order):
             return False
     return True
 
