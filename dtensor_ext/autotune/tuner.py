@@ -31,7 +31,7 @@ from dtensor_ext.autotune.calibration import (
     read_calibration,
     write_calibration_entry,
 )
-from dtensor_ext.autotune.protocol import Guard, make_timer
+from dtensor_ext.autotune.protocol import CollectiveFailure, Guard, make_timer
 from dtensor_ext.autotune.steps import IMPLEMENTATIONS, Implementation, Step, default_steps, step_input
 
 __all__ = ["DEFAULT_SIZES", "Autotuner", "TuneResult"]
@@ -111,9 +111,19 @@ class Autotuner:
             return result
         choices = {step.name: self._tune_step(guard, step, result) for step in self.steps}
         result.entry = CalibrationEntry(self._fit(result), choices)
-        if self.calibration_path is not None and dist.get_rank() == 0:
-            write_calibration_entry(self.calibration_path, self.key, result.entry)
+        if self.calibration_path is not None:
+            self._save(guard, result)
         return result
+
+    def _save(self, guard: Guard | None, result: TuneResult) -> None:
+        """Rank 0 writes; then a barrier, so that no rank reads the file (next tuner) before it is there."""
+        if dist.get_rank() == 0:
+            write_calibration_entry(self.calibration_path, self.key, result.entry)
+        if result.failure is None:
+            try:
+                guard.barrier()
+            except CollectiveFailure:  # the choices stand; only the next run's cache check may miss
+                logger.warning("autotune: barrier after writing %s failed", self.calibration_path, exc_info=True)
 
     def _agreed_cache_entry(self, guard: Guard, entry: CalibrationEntry | None) -> CalibrationEntry | None:
         """`entry` when every rank has one covering every step without fallbacks, else None."""
