@@ -6,6 +6,7 @@ Each test spawns its ranks once (the expensive part on 2 cores) under an outer t
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -97,6 +98,14 @@ def test_ranks_agree_cache_and_fit(tmp_path):
         assert factor <= HELD_OUT_FACTOR, f"mesh dim {dim}: held-out sizes predicted within {factor:.2f}x"
 
 
+def _capture_warnings() -> logging.Handler:
+    handler = logging.Handler(logging.WARNING)
+    handler.records = []
+    handler.emit = handler.records.append
+    logging.getLogger("dtensor_ext.autotune").addHandler(handler)
+    return handler
+
+
 def tune_with_fault(rank: int, fault: str) -> dict:
     """Rank 2's send/recv all-to-all sleeps past the timeout or raises; nothing else is changed."""
     from dtensor_ext.autotune import IMPLEMENTATIONS, Autotuner
@@ -113,10 +122,12 @@ def tune_with_fault(rank: int, fault: str) -> dict:
         return real(guard, dims, x)
 
     calls: list = []
+    warnings = _capture_warnings()
     implementations = {**IMPLEMENTATIONS, "all_to_all": {**IMPLEMENTATIONS["all_to_all"], "send_recv": faulty}}
     result = Autotuner(MESH, sizes=(4096, 16384), warmup=1, runs=3, timeout_s=FAULT_TIMEOUT_S,
                        implementations=_logged(implementations, calls)).tune()
     return {
+        "warnings": [r.getMessage() for r in warnings.records],
         "since_fault_s": time.monotonic() - fault_seen[0],
         "failure": result.failure,
         "choices": result.entry.to_json()["choices"],
@@ -133,6 +144,7 @@ def test_faulty_rank_falls_back_within_timeout(fault):
         allowed = FAULT_TIMEOUT_S + MARGIN_S + (FAULT_TIMEOUT_S + 2.0 if rank == 2 and fault == "sleep" else 0.0)
         assert o["since_fault_s"] <= allowed, (rank, o["since_fault_s"])
         assert o["failure"] is not None
+        assert any(o["failure"] in w and "falling back to 'all_to_all_single'" in w for w in o["warnings"]), rank
         choices = o["choices"]
         names = list(choices)
         failed_at = names.index(first_faulty_step)
