@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if dist.get_rank() == 0:
         print(format_report(result))
         print(f"calibration file: {os.path.abspath(args.calibration)}\n")
-        print(ascii_plots(result))
+        print(ascii_plots(result) if result.measurements else "no plots: nothing was benchmarked (--force re-runs)")
         if args.svg and result.measurements:
             with open(args.svg, "w") as f:
                 f.write(svg_plots(result))
