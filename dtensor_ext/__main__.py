@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dtensor_ext.demo", "tensor-parallel transformer block on a simulated mesh vs one device"),
     "coverage": ("dtensor_ext.coverage", "the rule registry per family (text or JSON)"),
+    "autotune": ("dtensor_ext.autotune.cli", "time collective implementations on this job's ranks (under torchrun)"),
 }
 
 

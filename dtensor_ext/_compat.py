@@ -223,3 +223,21 @@ def fake_mode_of(values: Sequence[Any]):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)]) or FakeTensorMode()
+
+
+def default_store():
+    """The c10d key-value store of the default process group (private in torch); holds the tuner's failure flag."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def flat_collectives():
+    """(all_gather, reduce_scatter) on flat tensors: the *_single names where this torch has them (2.13+ deprecates
+    the *_into_tensor/*_tensor names), the older names otherwise."""
+    import torch.distributed as dist
+
+    return (
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+        getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
+    )

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dtensor_ext._compat import LocalTensor, LocalTensorMode
+from dtensor_ext._compat import LocalTensor, LocalTensorMode, current_local_tensor_mode
 
-__all__ = ["MESH_SHAPES", "simulated_mesh", "rank_coordinates", "local_values", "place_dtensor"]
+__all__ = ["MESH_SHAPES", "active_mode", "simulated_mesh", "rank_coordinates", "local_values", "place_dtensor"]
 
 # The meshes every rule is proven on: 1-D with 2 and 4 ranks, 2-D 2x2, 3-D 2x2x2.
 MESH_SHAPES: dict[str, tuple[int, ...]] = {"1d2": (2,), "1d4": (4,), "2d": (2, 2), "3d": (2, 2, 2)}
@@ -58,6 +58,14 @@ def simulated_mesh(
         yield init_device_mesh(
             device_type, dims, mesh_dim_names=tuple(mesh_dim_names) if mesh_dim_names else None
         )
+
+
+def active_mode() -> LocalTensorMode:
+    """The simulated mesh's LocalTensorMode; an error outside one."""
+    mode = current_local_tensor_mode()
+    if mode is None:
+        raise RuntimeError("not inside a simulated mesh (LocalTensorMode is not active)")
+    return mode
 
 
 def rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
