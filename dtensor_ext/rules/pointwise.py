@@ -1,0 +1,91 @@
+"""Elementwise ops torch 2.13 cannot shard, and reflection/replication pads.
+
+An elementwise result at an index depends on the operands at that index only, so any output dim may be
+sharded, the operands that have it (unbroadcast) sharded alike and the rest replicated: the factor signature
+"abc,bc->abc" with nothing contracted.
+"""
+
+from __future__ import annotations
+
+import string
+
+from dtensor_ext._compat import Partial, Replicate, RuntimeSchemaInfo, ShardingPlaceholder, TensorMeta
+from dtensor_ext.registry import single_dim_rule
+from dtensor_ext.rules.factors import factor_strategies
+
+FAMILY = "pointwise"
+
+
+def _broadcast_signature(metas) -> str:
+    """'abc,bc->abc' for operands broadcast against each other (each aligned to the output from the right)."""
+    ndim = max(len(m.shape) for m in metas)
+    letters = string.ascii_lowercase[:ndim]
+    return ",".join(letters[ndim - len(m.shape) :] for m in metas) + "->" + letters
+
+
+def elementwise_rows(metas) -> list[list]:
+    """Shard any output dim in every operand that holds it unbroadcast; nothing Partial."""
+    return factor_strategies(_broadcast_signature(metas), metas, contracted_reductions=(), linear_reductions=())
+
+
+@single_dim_rule("aten::complex", family=FAMILY)
+def complex_rule(op, args, kwargs):
+    """real + i*imag is linear in the pair: both Partial(sum) gives a Partial(sum) result; one alone does not.
+
+    (Partial(avg) is as linear, but the checker cannot average complex pieces, so it stays unproven and out.)
+    """
+    real, imag = args[:2]
+    return elementwise_rows([real, imag]) + [[Partial("sum")] * 3]
+
+
+@single_dim_rule("aten::polar", family=FAMILY)
+def polar_rule(op, args, kwargs):
+    return elementwise_rows(list(args[:2]))
+
+
+@single_dim_rule(["aten::isin.Tensor_Tensor", "aten::isin.Tensor_Scalar"], family=FAMILY)
+def isin_rule(op, args, kwargs):
+    """Each element is looked up on its own: shard the elements anywhere, keep the test set whole."""
+    elements = args[0]
+    tested = [Replicate()] if isinstance(args[1], TensorMeta) else []
+    return [[ShardingPlaceholder(d), ShardingPlaceholder(d), *tested] for d in range(len(elements.shape))]
+
+
+@single_dim_rule("aten::renorm", family=FAMILY, schema_info=RuntimeSchemaInfo(1))
+def renorm_rule(op, args, kwargs):
+    """renorm(x, p, dim, maxnorm) rescales each slice x.select(dim, i) by its own norm: only `dim` splits slices
+    apart without cutting one."""
+    self, dim = args[0], args[2]
+    if len(self.shape) == 0:
+        return []
+    d = dim % len(self.shape)
+    return [[ShardingPlaceholder(d), ShardingPlaceholder(d)]]
+
+
+# Pads copy values around (reflection mirrors, replication repeats the edge), so every Partial kind passes
+# through the forward; the backward sums the gradients of the copies, so only sum and avg pass through it.
+# Of the dims a pad leaves alone only the batch dim may be sharded: see _batch_dims.
+_PADS = {
+    f"aten::{kind}_pad{n}d": n for kind in ("reflection", "replication") for n in (1, 2, 3)
+}
+
+
+def _batch_dims(ndim: int, padding) -> list[int]:
+    """The batch dim, where the input has one (the pad kernels accept an empty batch but no other empty dim, and
+    uneven sharding can leave a rank with an empty shard of any dim)."""
+    return [0] if ndim == len(padding) // 2 + 2 else []
+
+
+@single_dim_rule(list(_PADS), family=FAMILY, schema_info=RuntimeSchemaInfo(1))
+def pad_rule(op, args, kwargs):
+    self, padding = args[0], args[1]
+    rows = [[ShardingPlaceholder(d)] * 2 for d in _batch_dims(len(self.shape), padding)]
+    return rows + [[Partial(r)] * 2 for r in ("sum", "avg", "max", "min")]
+
+
+@single_dim_rule([f"{name}_backward" for name in _PADS], family=FAMILY, schema_info=RuntimeSchemaInfo(2))
+def pad_backward_rule(op, args, kwargs):
+    """(grad_output, self, padding) -> grad_input; `self` only lends its shape, so it follows grad_input."""
+    self, padding = args[1], args[2]
+    rows = [[ShardingPlaceholder(d)] * 3 for d in _batch_dims(len(self.shape), padding)]
+    return rows + [[Partial(r), Partial(r), Replicate()] for r in ("sum", "avg")]

@@ -1,0 +1,100 @@
+"""Proofs for the pointwise family: complex, polar, isin, renorm and reflection/replication pads (+ backward)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from dtensor_ext.rules import pointwise
+from dtensor_ext.testing.checker import sample_tensor
+from dtensor_ext.testing.mesh import simulated_mesh
+from dtensor_ext.testing.strategies import shapes
+from tests.rules.proof import PROVING_MESHES, assert_proven, assert_torch_validator_agrees
+
+aten = torch.ops.aten
+
+
+@st.composite
+def broadcast_pairs(draw):
+    """Two shapes that broadcast together: the second a suffix of the first with some dims set to 1."""
+    shape = draw(shapes(min_dims=0, max_dims=3))
+    keep = draw(st.integers(0, len(shape)))
+    other = [1 if draw(st.booleans()) else s for s in shape[len(shape) - keep :]]
+    return (shape, tuple(other)) if draw(st.booleans()) else (tuple(other), shape)
+
+
+@PROVING_MESHES
+@given(pair=broadcast_pairs())
+def test_complex_and_polar_proven(mesh_shape, pair):
+    a, b = sample_tensor(pair[0]), sample_tensor(pair[1], seed=1)
+    assert_proven(aten.complex.default, [a, b], rule=pointwise.complex_rule, mesh_shape=mesh_shape)
+    assert_proven(aten.polar.default, [a.abs(), b], rule=pointwise.polar_rule, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=0, max_dims=3), test_shape=shapes(min_dims=0, max_dims=2), invert=st.booleans())
+def test_isin_proven(mesh_shape, shape, test_shape, invert):
+    elements = sample_tensor(shape, torch.int64, high=6)
+    tested = sample_tensor(test_shape, torch.int64, seed=1, high=6)
+    kwargs = {"invert": invert}
+    assert_proven(aten.isin.Tensor_Tensor, [elements, tested], kwargs, rule=pointwise.isin_rule, mesh_shape=mesh_shape)
+    assert_proven(aten.isin.Tensor_Scalar, [elements, 3], kwargs, rule=pointwise.isin_rule, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=2, max_dims=3), data=st.data())
+def test_renorm_proven(mesh_shape, shape, data):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    p = data.draw(st.sampled_from([1, 2, 3.5]))
+    args = [sample_tensor(shape), p, dim, 0.7]
+    assert_proven(aten.renorm.default, args, rule=pointwise.renorm_rule, mesh_shape=mesh_shape)
+
+
+@st.composite
+def pad_samples(draw):
+    kind = draw(st.sampled_from(["reflection", "replication"]))
+    padded = draw(st.integers(1, 3))
+    batched = draw(st.booleans())
+    channels = draw(st.integers(1, 3))
+    batch = (draw(st.integers(1, 5)),) if batched else ()
+    spatial = draw(st.lists(st.integers(2, 4), min_size=padded, max_size=padded))
+    # reflection needs each pad below its dim's size; pads are listed last dim first
+    limit = [s - 1 if kind == "reflection" else 3 for s in reversed(spatial)]
+    padding = [draw(st.integers(0, limit[i // 2])) for i in range(2 * padded)]
+    return kind, padded, (*batch, channels, *spatial), padding
+
+
+@PROVING_MESHES
+@given(sample=pad_samples())
+def test_pads_and_their_backward_proven(mesh_shape, sample):
+    kind, padded, shape, padding = sample
+    forward = getattr(aten, f"{kind}_pad{padded}d").default
+    backward = getattr(aten, f"{kind}_pad{padded}d_backward").default
+    x = sample_tensor(shape)
+    assert_proven(forward, [x, padding], rule=pointwise.pad_rule, mesh_shape=mesh_shape)
+    grad = sample_tensor(forward(x, padding).shape, seed=1)
+    assert_proven(backward, [grad, x, padding], rule=pointwise.pad_backward_rule, mesh_shape=mesh_shape)
+
+
+def test_torch_validator_finds_no_incorrect_rule():
+    for name in ("complex", "polar", "isin", "renorm", "nn.functional.pad"):
+        assert_torch_validator_agrees(name)
+
+
+def test_end_to_end_batch_sharded_pad_and_complex(installed):
+    """F.pad(mode="reflect") on a batch-sharded input stays sharded, as does complex() of two sharded halves."""
+    x = sample_tensor((5, 3, 4, 6))
+    re, im = sample_tensor((5, 4)), sample_tensor((4,), seed=1)
+    with simulated_mesh((2, 2)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0), Replicate()])
+        padded = F.pad(dx, (1, 2, 2, 1), mode="reflect")
+        pad_placements, pad_full = padded.placements, padded.full_tensor()
+        z = torch.complex(distribute_tensor(re, mesh, [Shard(0), Shard(1)]), distribute_tensor(im, mesh, [Replicate(), Shard(0)]))
+        z_placements, z_full = z.placements, z.full_tensor()
+    assert pad_placements == (Shard(0), Replicate())
+    torch.testing.assert_close(pad_full, F.pad(x, (1, 2, 2, 1), mode="reflect"))
+    assert z_placements == (Shard(0), Shard(1))
+    torch.testing.assert_close(z_full, torch.complex(re, im))
