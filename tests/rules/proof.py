@@ -22,17 +22,21 @@ def assert_proven(op, args, kwargs=None, *, rule, mesh_shape):
     return report
 
 
-def assert_torch_validator_agrees(opinfo_name: str, max_samples: int = 4):
-    """torch's strategy_validation (1-D, 2 ranks) finds no incorrect rule among those DTensor now uses."""
+def assert_torch_validator_agrees(opinfo_name: str, max_samples: int = 4, upgrade=()):
+    """torch's strategy_validation (1-D, 2 ranks) finds no incorrect rule among those DTensor uses once our rules
+    are installed (with `upgrade`: also the torch rules we replace)."""
     from torch.distributed.tensor._ops.strategy_validation import compare_operator
 
     with simulated_mesh((2,)):
         pass  # leaves a fake world of 2 ranks initialized, which the validator needs
     assert dist.is_initialized() and dist.get_world_size() == 2
-    dtensor_ext.install()
-    stats = compare_operator(
-        opinfo_name, world_size=2, max_samples=max_samples, incorrect_only=True, dtype=torch.float64
-    )
+    dtensor_ext.install(upgrade=upgrade)
+    try:
+        stats = compare_operator(
+            opinfo_name, world_size=2, max_samples=max_samples, incorrect_only=True, dtype=torch.float64
+        )
+    finally:
+        dtensor_ext.install()
     assert not stats.no_dtensor_support, f"{opinfo_name}: validator found no DTensor rule to check"
     assert len(stats.false_positives) == 0, [str(d) for d in stats.false_positives]
     return stats
