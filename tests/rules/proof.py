@@ -22,9 +22,10 @@ def assert_proven(op, args, kwargs=None, *, rule, mesh_shape):
     return report
 
 
-def assert_torch_validator_agrees(opinfo_name: str, max_samples: int = 4, upgrade=()):
+def assert_torch_validator_agrees(opinfo_name: str, max_samples: int | None = 4, upgrade=(), exercised=True):
     """torch's strategy_validation (1-D, 2 ranks) finds no incorrect rule among those DTensor uses once our rules
-    are installed (with `upgrade`: also the torch rules we replace)."""
+    are installed (with `upgrade`: also the torch rules we replace). `exercised`: the validator must also have
+    confirmed at least one sharded combination (some OpInfo samples only have trivially shardable shapes)."""
     from torch.distributed.tensor._ops.strategy_validation import compare_operator
 
     with simulated_mesh((2,)):
@@ -39,6 +40,8 @@ def assert_torch_validator_agrees(opinfo_name: str, max_samples: int = 4, upgrad
         dtensor_ext.install()
     assert not stats.no_dtensor_support, f"{opinfo_name}: validator found no DTensor rule to check"
     assert len(stats.false_positives) == 0, [str(d) for d in stats.false_positives]
+    if exercised:
+        assert stats.true_positives > 0, f"{opinfo_name}: the validator confirmed no combination"
     return stats
 
 

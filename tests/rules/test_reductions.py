@@ -101,10 +101,11 @@ def test_logsumexp_covers_torch_rule_and_fixes_its_keepdim():
 
 
 def test_torch_validator_finds_no_incorrect_rule():
-    for name in ("count_nonzero", "aminmax"):
-        assert_torch_validator_agrees(name)
-    assert_torch_validator_agrees("logsumexp", upgrade=["aten::logsumexp"])
+    assert_torch_validator_agrees("count_nonzero", max_samples=None)
     assert_torch_validator_agrees("cumsum", upgrade=["aten::cumsum"])
+    # these OpInfo samples only reach combinations the validator counts as trivial: run for false positives only
+    assert_torch_validator_agrees("aminmax", exercised=False)
+    assert_torch_validator_agrees("logsumexp", upgrade=["aten::logsumexp"], exercised=False)
 
 
 def test_end_to_end_reductions(installed):
