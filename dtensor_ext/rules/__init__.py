@@ -4,3 +4,4 @@ from dtensor_ext.rules import matmul  # noqa: F401
 from dtensor_ext.rules import concat  # noqa: F401
 from dtensor_ext.rules import pointwise  # noqa: F401
 from dtensor_ext.rules import reductions  # noqa: F401
+from dtensor_ext.rules import norms  # noqa: F401

@@ -22,10 +22,13 @@ def assert_proven(op, args, kwargs=None, *, rule, mesh_shape):
     return report
 
 
-def assert_torch_validator_agrees(opinfo_name: str, max_samples: int | None = 4, upgrade=(), exercised=True):
+def assert_torch_validator_agrees(
+    opinfo_name: str, max_samples: int | None = 4, upgrade=(), exercised=True, allow_composite=False
+):
     """torch's strategy_validation (1-D, 2 ranks) finds no incorrect rule among those DTensor uses once our rules
     are installed (with `upgrade`: also the torch rules we replace). `exercised`: the validator must also have
-    confirmed at least one sharded combination (some OpInfo samples only have trivially shardable shapes)."""
+    confirmed at least one sharded combination (some OpInfo samples only have trivially shardable shapes).
+    `allow_composite`: validate each aten op of an OpInfo that runs several (nn.functional.batch_norm)."""
     from torch.distributed.tensor._ops.strategy_validation import compare_operator
 
     with simulated_mesh((2,)):
@@ -34,7 +37,8 @@ def assert_torch_validator_agrees(opinfo_name: str, max_samples: int | None = 4,
     dtensor_ext.install(upgrade=upgrade)
     try:
         stats = compare_operator(
-            opinfo_name, world_size=2, max_samples=max_samples, incorrect_only=True, dtype=torch.float64
+            opinfo_name, world_size=2, max_samples=max_samples, incorrect_only=True, dtype=torch.float64,
+            allow_composite=allow_composite,
         )
     finally:
         dtensor_ext.install()
