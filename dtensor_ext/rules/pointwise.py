@@ -89,3 +89,55 @@ def pad_backward_rule(op, args, kwargs):
     self, padding = args[1], args[2]
     rows = [[ShardingPlaceholder(d)] * 3 for d in _batch_dims(len(self.shape), padding)]
     return rows + [[Partial(r), Partial(r), Replicate()] for r in ("sum", "avg")]
+
+
+def _tensors(args) -> list:
+    return [a for a in args if isinstance(a, TensorMeta)]
+
+
+# Backward of an elementwise activation: grad_input = grad_output * f'(x), elementwise in every tensor argument and
+# linear in grad_output (always the first), so a Partial sum/avg grad_output with the rest replicated stays Partial.
+@single_dim_rule(
+    [
+        "aten::hardtanh_backward",
+        "aten::elu_backward",
+        "aten::leaky_relu_backward",
+        "aten::softplus_backward",
+        "aten::hardswish_backward",
+        "aten::hardsigmoid_backward",
+    ],
+    family=FAMILY,
+    schema_info=RuntimeSchemaInfo(1),
+)
+def activation_backward_rule(op, args, kwargs):
+    tensors = _tensors(args)
+    rows = elementwise_rows(tensors)
+    return rows + [[Partial(r), Partial(r), *([Replicate()] * (len(tensors) - 1))] for r in ("sum", "avg")]
+
+
+@single_dim_rule(["aten::floor_divide", "aten::floor_divide.Scalar"], family=FAMILY)
+def floor_divide_rule(op, args, kwargs):
+    return elementwise_rows(_tensors(args))
+
+
+@single_dim_rule("aten::masked_fill.Tensor", family=FAMILY)
+def masked_fill_rule(op, args, kwargs):
+    """(self, mask, value): self and the mask (broadcast to self) elementwise, the 0-d fill value whole."""
+    self, mask = args[0], args[1]
+    return [[*row, Replicate()] for row in elementwise_rows([self, mask])]
+
+
+@single_dim_rule("aten::glu", family=FAMILY, schema_info=RuntimeSchemaInfo(1))
+def glu_rule(op, args, kwargs):
+    """glu halves `dim` (a * sigmoid(b) of its two halves): every other dim is elementwise."""
+    self = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", -1)) % len(self.shape)
+    return [[ShardingPlaceholder(d)] * 2 for d in range(len(self.shape)) if d != dim]
+
+
+@single_dim_rule("aten::glu_backward", family=FAMILY, schema_info=RuntimeSchemaInfo(2))
+def glu_backward_rule(op, args, kwargs):
+    """(grad_output, self, dim) -> grad_input: elementwise off `dim`, linear in grad_output."""
+    self, dim = args[1], args[2] % len(args[1].shape)
+    rows = [[ShardingPlaceholder(d)] * 3 for d in range(len(self.shape)) if d != dim]
+    return rows + [[Partial(r), Partial(r), Replicate()] for r in ("sum", "avg")]

@@ -13,12 +13,19 @@ from dtensor_ext.testing.mesh import MESH_SHAPES, simulated_mesh
 
 PROVING_MESHES = pytest.mark.parametrize("mesh_shape", list(MESH_SHAPES.values()), ids=list(MESH_SHAPES))
 
+# op -> [samples, combinations proven, checker seconds], printed at the end of the run (tests/rules/conftest.py)
+TALLY: dict[str, list] = {}
+
 
 def assert_proven(op, args, kwargs=None, *, rule, mesh_shape):
     """Every combination the rule emits for this sample reassembles to the single-device result."""
     report = check_rule(op, args, kwargs, mesh_shape=mesh_shape, rule=rule, search_missing=False)
     assert report.ok, str(report)
     assert report.checked == report.rows ** len(mesh_shape)
+    tally = TALLY.setdefault(report.op, [0, 0, 0.0])
+    tally[0] += 1
+    tally[1] += report.checked
+    tally[2] += report.seconds
     return report
 
 

@@ -79,8 +79,51 @@ def test_pads_and_their_backward_proven(mesh_shape, sample):
     assert_proven(backward, [grad, x, padding], rule=pointwise.pad_backward_rule, mesh_shape=mesh_shape)
 
 
+ACTIVATION_BACKWARDS = {
+    "hardtanh_backward": lambda g, x: [g, x, -0.5, 0.5],
+    "elu_backward": lambda g, x: [g, 1.0, 1.0, 1.0, False, x],
+    "leaky_relu_backward": lambda g, x: [g, x, 0.1, False],
+    "softplus_backward": lambda g, x: [g, x, 1.0, 1.5],
+    "hardswish_backward": lambda g, x: [g, x],
+    "hardsigmoid_backward": lambda g, x: [g, x],
+}
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=0, max_dims=3), name=st.sampled_from(sorted(ACTIVATION_BACKWARDS)))
+def test_activation_backwards_proven(mesh_shape, shape, name):
+    g, x = sample_tensor(shape, seed=1), sample_tensor(shape) * 4
+    op = getattr(aten, name).default
+    assert_proven(op, ACTIVATION_BACKWARDS[name](g, x), rule=pointwise.activation_backward_rule, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(pair=broadcast_pairs())
+def test_floor_divide_and_masked_fill_proven(mesh_shape, pair):
+    x = sample_tensor(pair[0]) * 5
+    divisor = sample_tensor(pair[1], seed=1).abs() + 0.5
+    assert_proven(aten.floor_divide.default, [x, divisor], rule=pointwise.floor_divide_rule, mesh_shape=mesh_shape)
+    assert_proven(aten.floor_divide.Scalar, [x, 0.7], rule=pointwise.floor_divide_rule, mesh_shape=mesh_shape)
+    wide, narrow = sorted(pair, key=len, reverse=True)
+    if torch.broadcast_shapes(wide, narrow) == torch.Size(wide):
+        args = [sample_tensor(wide), sample_tensor(narrow, torch.bool, seed=2), torch.tensor(2.5)]
+        assert_proven(aten.masked_fill.Tensor, args, rule=pointwise.masked_fill_rule, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=1, max_dims=3), data=st.data())
+def test_glu_and_backward_proven(mesh_shape, shape, data):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    full = list(shape)
+    full[dim] *= 2
+    x = sample_tensor(full)
+    assert_proven(aten.glu.default, [x, dim], rule=pointwise.glu_rule, mesh_shape=mesh_shape)
+    grad = sample_tensor(shape, seed=1)
+    assert_proven(aten.glu_backward.default, [grad, x, dim], rule=pointwise.glu_backward_rule, mesh_shape=mesh_shape)
+
+
 def test_torch_validator_finds_no_incorrect_rule():
-    for name in ("complex", "polar", "nn.functional.pad"):
+    for name in ("complex", "polar", "nn.functional.pad", "nn.functional.glu", "floor_divide"):
         assert_torch_validator_agrees(name)
     # these OpInfo samples only reach combinations the validator counts as trivial: run for false positives only
     assert_torch_validator_agrees("renorm", exercised=False)
@@ -100,3 +143,17 @@ def test_end_to_end_batch_sharded_pad_and_complex(installed):
     torch.testing.assert_close(pad_full, F.pad(x, (1, 2, 2, 1), mode="reflect"))
     assert z_placements == (Shard(0), Shard(1))
     torch.testing.assert_close(z_full, torch.complex(re, im))
+
+
+def test_end_to_end_activation_backward_keeps_shards(installed):
+    """Gradients through ELU and GLU of a sequence-sharded activation come back sharded, no all-gather."""
+    x = sample_tensor((4, 6, 8))
+    with simulated_mesh((2, 2)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0), Shard(1)]).requires_grad_()
+        y = F.glu(F.elu(dx), dim=-1)
+        y.backward(torch.ones_like(y))
+        grad_placements, grad_full = dx.grad.placements, dx.grad.full_tensor()
+    ref = x.clone().requires_grad_()
+    F.glu(F.elu(ref), dim=-1).sum().backward()
+    assert grad_placements == (Shard(0), Shard(1))
+    torch.testing.assert_close(grad_full, ref.grad)
