@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
-from dtensor_ext._compat import tensor_meta
+from dtensor_ext._compat import Partial, tensor_meta
 from dtensor_ext.rules import norms
 from dtensor_ext.testing.checker import sample_tensor
 from dtensor_ext.testing.mesh import simulated_mesh
@@ -116,6 +117,61 @@ def test_torch_validator_finds_no_incorrect_rule():
         "nn.functional.batch_norm", upgrade=["aten::native_batch_norm", "aten::native_batch_norm_backward"],
         allow_composite=True,
     )
+
+
+def _no_comm_forward_backward(fn, x, placements, params, mesh):
+    """Run fn forward and backward on a DTensor placed as given; returns (collectives, out, x.grad, param grads)."""
+    dx = distribute_tensor(x, mesh, placements).requires_grad_()
+    dparams = [distribute_tensor(p, mesh, [Replicate()] * mesh.ndim).requires_grad_() for p in params]
+    with CommDebugMode() as comms:
+        out = fn(dx, *dparams)
+        out.backward(torch.ones_like(out))
+    return comms.get_total_counts(), out, dx.grad, [p.grad for p in dparams]
+
+
+def test_end_to_end_norms_shard_without_communication():
+    """Sequence-sharded LayerNorm/RMSNorm (torch's rules) and spatially sharded eval BatchNorm (ours, upgraded) run
+    forward and backward with no collective; weight gradients come out Partial(sum)."""
+    x = sample_tensor((4, 6, 8))
+    w8 = sample_tensor((8,), seed=1)
+    weight, bias, mean, var = _stats(6)
+    try:
+        dtensor_ext.install(upgrade=["aten::native_batch_norm", "aten::native_batch_norm_backward"])
+        with simulated_mesh((2, 2)) as mesh:
+            running = [distribute_tensor(t, mesh, [Replicate(), Replicate()]) for t in (mean, var)]
+            runs = {
+                "layer_norm": _no_comm_forward_backward(
+                    lambda t, w: F.layer_norm(t, [8], w, w), x, [Shard(0), Shard(1)], [w8], mesh),
+                "rms_norm": _no_comm_forward_backward(
+                    lambda t, w: F.rms_norm(t, [8], w), x, [Shard(0), Shard(1)], [w8], mesh),
+                "batch_norm": _no_comm_forward_backward(
+                    lambda t, w, b: F.batch_norm(t, *running, w, b, training=False), x, [Shard(2), Shard(2)],
+                    [weight, bias], mesh),
+            }
+            results = {
+                name: (comms, out.placements, grad.placements, [g.placements for g in pgrads],
+                       out.full_tensor(), grad.full_tensor(), [g.full_tensor() for g in pgrads])
+                for name, (comms, out, grad, pgrads) in runs.items()
+            }
+    finally:
+        dtensor_ext.install()
+    references = {
+        "layer_norm": (lambda t, w: F.layer_norm(t, [8], w, w), [w8]),
+        "rms_norm": (lambda t, w: F.rms_norm(t, [8], w), [w8]),
+        "batch_norm": (lambda t, w, b: F.batch_norm(t, mean, var, w, b, training=False), [weight, bias]),
+    }
+    for name, (comms, out_pl, grad_pl, pgrad_pl, out, grad, pgrads) in results.items():
+        assert comms == 0, f"{name}: {comms} collectives"
+        assert out_pl == grad_pl and Replicate() not in out_pl, (name, out_pl, grad_pl)
+        assert all(p == (Partial("sum"), Partial("sum")) for p in pgrad_pl), (name, pgrad_pl)
+        fn, params = references[name]
+        ref_x = x.clone().requires_grad_()
+        ref_params = [p.clone().requires_grad_() for p in params]
+        fn(ref_x, *ref_params).sum().backward()
+        torch.testing.assert_close(out, fn(x, *params))
+        torch.testing.assert_close(grad, ref_x.grad)
+        for got, ref in zip(pgrads, ref_params):
+            torch.testing.assert_close(got, ref.grad)
 
 
 def test_end_to_end_eval_batch_norm_stays_sharded():
