@@ -1,4 +1,4 @@
-"""Elementwise ops torch 2.13 cannot shard, and reflection/replication pads.
+"""Elementwise ops torch 2.13 cannot shard (activation backwards included), glu, and reflection/replication pads.
 
 An elementwise result at an index depends on the operands at that index only, so any output dim may be
 sharded, the operands that have it (unbroadcast) sharded alike and the rest replicated: the factor signature
