@@ -141,3 +141,66 @@ def glu_backward_rule(op, args, kwargs):
     self, dim = args[1], args[2] % len(args[1].shape)
     rows = [[ShardingPlaceholder(d)] * 3 for d in range(len(self.shape)) if d != dim]
     return rows + [[Partial(r), Partial(r), Replicate()] for r in ("sum", "avg")]
+
+
+# Elementwise losses: where the `reduction` argument sits, forward and backward (absent means the default, mean).
+_LOSS_REDUCTION_ARG = {
+    "aten::mse_loss": 2,
+    "aten::huber_loss": 2,
+    "aten::smooth_l1_loss": 2,
+    "aten::soft_margin_loss": 2,
+    "aten::binary_cross_entropy": 3,
+    "aten::binary_cross_entropy_with_logits": 4,
+}
+_LOSS_BACKWARD_REDUCTION_ARG = {
+    "aten::mse_loss_backward": 3,
+    "aten::huber_loss_backward": 3,
+    "aten::smooth_l1_loss_backward": 3,
+    "aten::soft_margin_loss_backward": 3,
+    "aten::binary_cross_entropy_backward": 4,
+}
+NO_REDUCTION, MEAN, SUM = 0, 1, 2
+
+
+def _reduction(op, args, kwargs, table) -> int:
+    position = table[op.name()]
+    return args[position] if len(args) > position else kwargs.get("reduction", MEAN)
+
+
+@single_dim_rule(list(_LOSS_REDUCTION_ARG), family=FAMILY, schema_info=RuntimeSchemaInfo(2))
+def loss_rule(op, args, kwargs):
+    """An elementwise loss, then nothing / mean / sum. Unreduced it is elementwise; summed, every shard's sum is a
+    piece of the total (Partial(sum)); a mean is left whole, since uneven shards make a mean of means wrong."""
+    reduction = _reduction(op, args, kwargs, _LOSS_REDUCTION_ARG)
+    rows = elementwise_rows(_tensors(args))
+    if reduction == NO_REDUCTION:
+        return rows
+    if reduction == SUM:
+        return [[Partial("sum"), *row[1:]] for row in rows]
+    return []
+
+
+@single_dim_rule(list(_LOSS_BACKWARD_REDUCTION_ARG), family=FAMILY, schema_info=RuntimeSchemaInfo(3))
+def loss_backward_rule(op, args, kwargs):
+    """(grad_output, self, target, ...) -> grad_input, linear in grad_output. With a mean the gradient divides by
+    the global element count, which a shard does not know: only the Partial rows remain."""
+    reduction = _reduction(op, args, kwargs, _LOSS_BACKWARD_REDUCTION_ARG)
+    tensors = _tensors(args)
+    partial_rows = [[Partial(r), Partial(r), *([Replicate()] * (len(tensors) - 1))] for r in ("sum", "avg")]
+    if reduction == MEAN:
+        return partial_rows
+    return elementwise_rows(tensors) + partial_rows
+
+
+@single_dim_rule("aten::_prelu_kernel", family=FAMILY)
+def prelu_rule(op, args, kwargs):
+    """F.prelu's kernel: x where positive, weight * x elsewhere; the weight comes broadcast to x's rank."""
+    return elementwise_rows(list(args[:2]))
+
+
+@single_dim_rule("aten::_prelu_kernel_backward", family=FAMILY)
+def prelu_backward_rule(op, args, kwargs):
+    """(grad_output, self, weight) -> (grad_input, grad_weight), both at self's full shape (autograd sums
+    grad_weight down afterwards): elementwise, and linear in grad_output."""
+    rows = [[row[0], *row] for row in elementwise_rows(list(args[:3]))]
+    return rows + [[Partial(r), Partial(r), Partial(r), Replicate(), Replicate()] for r in ("sum", "avg")]

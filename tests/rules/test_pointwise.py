@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from dtensor_ext._compat import Partial
 from dtensor_ext.rules import pointwise
 from dtensor_ext.testing.checker import sample_tensor
 from dtensor_ext.testing.mesh import simulated_mesh
@@ -122,11 +123,49 @@ def test_glu_and_backward_proven(mesh_shape, shape, data):
     assert_proven(aten.glu_backward.default, [grad, x, dim], rule=pointwise.glu_backward_rule, mesh_shape=mesh_shape)
 
 
+@PROVING_MESHES
+@given(shape=shapes(min_dims=2, max_dims=3), per_channel=st.booleans())
+def test_prelu_and_backward_proven(mesh_shape, shape, per_channel):
+    """F.prelu hands its kernels the weight viewed as [1, C, 1, ...] (or [1] for one shared slope)."""
+    x = sample_tensor(shape)
+    weight_shape = [1, shape[1], *([1] * (len(shape) - 2))] if per_channel else [1]
+    weight = sample_tensor(weight_shape, seed=1)
+    assert_proven(aten._prelu_kernel.default, [x, weight], rule=pointwise.prelu_rule, mesh_shape=mesh_shape)
+    args = [sample_tensor(shape, seed=2), x, weight]
+    assert_proven(aten._prelu_kernel_backward.default, args, rule=pointwise.prelu_backward_rule, mesh_shape=mesh_shape)
+
+
+LOSSES = {  # name: (forward args, backward args after grad_output), given input, target, reduction
+    "mse_loss": (lambda x, y, r: [x, y, r], lambda x, y, r: [x, y, r]),
+    "huber_loss": (lambda x, y, r: [x, y, r, 0.5], lambda x, y, r: [x, y, r, 0.5]),
+    "smooth_l1_loss": (lambda x, y, r: [x, y, r, 0.5], lambda x, y, r: [x, y, r, 0.5]),
+    "soft_margin_loss": (lambda x, y, r: [x, y.sign(), r], lambda x, y, r: [x, y.sign(), r]),
+    "binary_cross_entropy": (
+        lambda x, y, r: [x.sigmoid(), y.sigmoid(), y.abs(), r], lambda x, y, r: [x.sigmoid(), y.sigmoid(), y.abs(), r]
+    ),
+    "binary_cross_entropy_with_logits": (lambda x, y, r: [x, y.sigmoid(), y.abs(), y.abs(), r], None),
+}
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=1, max_dims=3), name=st.sampled_from(sorted(LOSSES)), reduction=st.sampled_from([0, 1, 2]))
+def test_losses_and_backward_proven(mesh_shape, shape, name, reduction):
+    x, y = sample_tensor(shape), sample_tensor(shape, seed=1)
+    forward_args, backward_args = LOSSES[name]
+    assert_proven(getattr(aten, name).default, forward_args(x, y, reduction), rule=pointwise.loss_rule,
+                  mesh_shape=mesh_shape)
+    if backward_args is not None:
+        grad = sample_tensor(shape if reduction == 0 else (), seed=2)
+        assert_proven(getattr(aten, f"{name}_backward").default, [grad, *backward_args(x, y, reduction)],
+                      rule=pointwise.loss_backward_rule, mesh_shape=mesh_shape)
+
+
 def test_torch_validator_finds_no_incorrect_rule():
     for name in ("complex", "polar", "nn.functional.pad", "nn.functional.glu", "floor_divide"):
         assert_torch_validator_agrees(name)
     # these OpInfo samples only reach combinations the validator counts as trivial: run for false positives only
-    assert_torch_validator_agrees("renorm", exercised=False)
+    for name in ("renorm", "nn.functional.mse_loss", "nn.functional.binary_cross_entropy", "nn.functional.prelu"):
+        assert_torch_validator_agrees(name, exercised=False)
 
 
 def test_end_to_end_batch_sharded_pad_and_complex(installed):
@@ -156,4 +195,26 @@ def test_end_to_end_activation_backward_keeps_shards(installed):
     ref = x.clone().requires_grad_()
     F.glu(F.elu(ref), dim=-1).sum().backward()
     assert grad_placements == (Shard(0), Shard(1))
+    torch.testing.assert_close(grad_full, ref.grad)
+
+
+def test_end_to_end_summed_loss_is_partial_and_its_gradient_sharded(installed):
+    """mse_loss(reduction="sum") of token-sharded predictions is a Partial(sum) scalar, with no collective until
+    it is read; its gradient (and PReLU's) stays sharded like the input."""
+    x, target = sample_tensor((6, 4)), sample_tensor((6, 4), seed=1)
+    slope = torch.tensor([0.25])
+    with simulated_mesh((2, 2)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0), Shard(1)]).requires_grad_()
+        dt = distribute_tensor(target, mesh, [Shard(0), Shard(1)])
+        dslope = distribute_tensor(slope, mesh, [Replicate(), Replicate()])
+        loss = F.mse_loss(F.prelu(dx, dslope), dt, reduction="sum")
+        loss_placements = loss.placements
+        loss.backward()
+        grad_placements, grad_full, loss_full = dx.grad.placements, dx.grad.full_tensor(), loss.full_tensor()
+    ref = x.clone().requires_grad_()
+    ref_loss = F.mse_loss(F.prelu(ref, slope), target, reduction="sum")
+    ref_loss.backward()
+    assert loss_placements == (Partial("sum"), Partial("sum"))
+    assert grad_placements == (Shard(0), Shard(1))
+    torch.testing.assert_close(loss_full, ref_loss)
     torch.testing.assert_close(grad_full, ref.grad)
