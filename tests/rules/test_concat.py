@@ -9,11 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+import dtensor_ext
 from dtensor_ext._compat import Partial, op_strategy_rows, tensor_meta
 from dtensor_ext.rules import concat
 from dtensor_ext.testing.checker import sample_tensor
 from dtensor_ext.testing.mesh import simulated_mesh
-from dtensor_ext.testing.strategies import dims, shapes
+from dtensor_ext.testing.strategies import shapes
 from tests.rules.proof import PROVING_MESHES, assert_proven, assert_torch_validator_agrees, filled_rows
 
 aten = torch.ops.aten
@@ -123,3 +124,22 @@ def test_end_to_end_concat_keeps_shards(installed):
     torch.testing.assert_close(full, torch.cat([left, right], dim=1))
     assert diag_placements == (Partial(), Replicate())
     torch.testing.assert_close(diag_full, torch.block_diag(a @ b, (a @ b)[0]))
+
+
+def test_end_to_end_upgraded_cat_and_stack():
+    """With our cat/stack rules in place of torch's, mixed input placements still give the single-device result."""
+    a, b = sample_tensor((4, 6)), sample_tensor((4, 6), seed=1)
+    try:
+        dtensor_ext.install(upgrade=["aten::cat", "aten::stack"])
+        with simulated_mesh((2, 2)) as mesh:
+            da = distribute_tensor(a, mesh, [Shard(1), Replicate()])
+            db = distribute_tensor(b, mesh, [Replicate(), Shard(0)])
+            joined = torch.cat([da, db], dim=0)
+            stacked = torch.stack([da, db], dim=1)
+            joined_full, stacked_full = joined.full_tensor(), stacked.full_tensor()
+            joined_placements = joined.placements
+    finally:
+        dtensor_ext.install()
+    assert Shard(0) not in joined_placements  # never sharded along the glued dim
+    torch.testing.assert_close(joined_full, torch.cat([a, b], dim=0))
+    torch.testing.assert_close(stacked_full, torch.stack([a, b], dim=1))
