@@ -1,4 +1,4 @@
-"""Proofs for the pointwise family: complex, polar, isin, renorm and reflection/replication pads (+ backward)."""
+"""Proofs for the pointwise family: complex, polar, isin, renorm, pads, activation backwards, glu, losses, PReLU."""
 
 from __future__ import annotations
 
