@@ -241,3 +241,34 @@ def flat_collectives():
         getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
         getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
     )
+
+
+def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str, Any], placements) -> set[tuple]:
+    """What torch's own op_strategy for `op` offers when its tensor inputs are placed as given.
+
+    args/kwargs hold real tensors (or lists of them); placements gives one placement tuple per tensor, in
+    pytree-flattened order. Returns rows (output placements..., input placements...), one placement tuple each,
+    so that a rule of ours can be shown to cover everything torch's rule would pick.
+    """
+    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy
+    from torch.utils import _pytree as pytree
+
+    placement_iter = iter(placements)
+
+    def as_strategy(x):
+        if isinstance(x, torch.Tensor):
+            spec = DTensorSpec(mesh, tuple(next(placement_iter)), tensor_meta=tensor_meta(x))
+            return OpStrategy([OpSpec(spec)])
+        if isinstance(x, (list, tuple)) and x and all(isinstance(e, torch.Tensor) for e in x):
+            return TupleStrategy([as_strategy(e) for e in x])
+        return x
+
+    args_schema = tuple(as_strategy(a) for a in args)
+    kwargs_schema = {k: as_strategy(v) for k, v in kwargs.items()}
+    result = propagator().op_strategy_funcs[op](OpSchema(op, args_schema, kwargs_schema))
+    rows = set()
+    for spec in result.strategies:
+        outputs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        inputs = pytree.tree_leaves(spec.input_specs)
+        rows.add(tuple(s.placements if s is not None else None for s in (*outputs, *inputs)))
+    return rows

@@ -1,4 +1,4 @@
-"""Losses: torch 2.13's decomposition fallback gets these wrong on sharded inputs; ours are proven."""
+"""Losses (pointwise family): torch 2.13's decomposition fallback gets these wrong on sharded inputs; ours are proven."""
 
 import pytest
 import torch

@@ -1,0 +1,87 @@
+"""Reductions and scans: a dim that survives may be sharded; a reduced dim only where the partial results combine.
+
+A sharded reduced dim gives a Partial output exactly when the reduction of per-rank results is one DTensor can
+finish (count_nonzero: sum of counts). Reductions that raise on an empty input (aminmax, amax with a dim) must
+not shard a reduced dim at all: DTensor's uneven chunking can leave a rank with nothing (9 rows on 4 ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dtensor_ext._compat import Partial, RuntimeSchemaInfo, ShardingPlaceholder
+from dtensor_ext.registry import single_dim_rule
+
+FAMILY = "reductions"
+
+
+def reduced_dims(ndim: int, dim: int | Sequence[int] | None) -> list[int]:
+    """The dims a reduction removes; None or [] means all of them (0-d inputs reduce their one implicit dim)."""
+    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
+        return list(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d % max(ndim, 1) for d in dims} & set(range(ndim)))
+
+
+def surviving_rows(ndim: int, reduced: Sequence[int], keepdim: bool, n_outputs: int = 1) -> list[list]:
+    """Shard a dim the reduction keeps: it is output dim d (keepdim) or d less the reduced dims before it."""
+    rows = []
+    for d in range(ndim):
+        if d in reduced:
+            continue
+        out = d if keepdim else d - sum(1 for r in reduced if r < d)
+        rows.append([*([ShardingPlaceholder(out)] * n_outputs), ShardingPlaceholder(d)])
+    return rows
+
+
+@single_dim_rule(["aten::count_nonzero", "aten::count_nonzero.dim_IntList"], family=FAMILY,
+                 schema_info=RuntimeSchemaInfo(1))
+def count_nonzero_rule(op, args, kwargs):
+    """Counts add up: a sharded reduced dim gives Partial(sum) (an empty shard counts 0)."""
+    self = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    ndim = len(self.shape)
+    reduced = reduced_dims(ndim, dim)
+    rows = surviving_rows(ndim, reduced, keepdim=False)
+    return rows + [[Partial("sum"), ShardingPlaceholder(d)] for d in reduced]
+
+
+@single_dim_rule("aten::aminmax", family=FAMILY, schema_info=RuntimeSchemaInfo(1, static_kwargkey=["dim", "keepdim"]))
+def aminmax_rule(op, args, kwargs):
+    """(min, max) over `dim` (or everything): only surviving dims shard; see the module note on empty shards."""
+    self = args[0]
+    ndim = len(self.shape)
+    dim = kwargs.get("dim")
+    return surviving_rows(ndim, reduced_dims(ndim, dim), kwargs.get("keepdim", False), n_outputs=2)
+
+
+@single_dim_rule("aten::hash_tensor", family=FAMILY,
+                 schema_info=RuntimeSchemaInfo(1, static_kwargkey=["keepdim", "mode"]))
+def hash_tensor_rule(op, args, kwargs):
+    """An xor-fold of the bits over `dim`: no Partial can finish it, so only surviving dims shard."""
+    self = args[0]
+    ndim = len(self.shape)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", [])
+    return surviving_rows(ndim, reduced_dims(ndim, dim), kwargs.get("keepdim", False))
+
+
+@single_dim_rule("aten::logsumexp", family=FAMILY, schema_info=RuntimeSchemaInfo(1, static_kwargkey=["keepdim"]),
+                 superset_of_torch=True)
+def logsumexp_rule(op, args, kwargs):
+    """log(sum(exp)) over `dim`: surviving dims shard, mapped through keepdim however it was passed."""
+    self = args[0]
+    ndim = len(self.shape)
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return surviving_rows(ndim, reduced_dims(ndim, args[1]), keepdim)
+
+
+@single_dim_rule("aten::cumsum", family=FAMILY, schema_info=RuntimeSchemaInfo(1, static_kwargkey=["dtype"]),
+                 superset_of_torch=True)
+def cumsum_rule(op, args, kwargs):
+    """Running sums are linear: other dims shard, and a Partial sum (or avg) input stays Partial."""
+    self, dim = args[0], args[1]
+    ndim = len(self.shape)
+    scanned = dim % max(ndim, 1)
+    rows = [[ShardingPlaceholder(d), ShardingPlaceholder(d)] for d in range(ndim) if d != scanned]
+    return rows + [[Partial(r), Partial(r)] for r in ("sum", "avg")]
+

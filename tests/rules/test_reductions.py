@@ -1,0 +1,127 @@
+"""Proofs for the reductions family: count_nonzero, aminmax, hash_tensor, and the upgrades logsumexp and cumsum."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import dtensor_ext
+from dtensor_ext._compat import Partial, op_strategy_rows, tensor_meta
+from dtensor_ext.rules import reductions
+from dtensor_ext.testing.checker import check_combination, sample_tensor
+from dtensor_ext.testing.mesh import simulated_mesh
+from dtensor_ext.testing.strategies import shapes
+from tests.rules.proof import PROVING_MESHES, assert_proven, assert_torch_validator_agrees, filled_rows
+
+aten = torch.ops.aten
+
+
+@st.composite
+def reduction_samples(draw, min_dims=0):
+    shape = draw(shapes(min_dims=min_dims, max_dims=3))
+    dims = draw(st.lists(st.integers(0, max(len(shape) - 1, 0)), unique=True, max_size=len(shape)))
+    return shape, dims
+
+
+@PROVING_MESHES
+@given(sample=reduction_samples(), single=st.booleans())
+def test_count_nonzero_proven(mesh_shape, sample, single):
+    shape, dims = sample
+    x = sample_tensor(shape, torch.int64, high=2)
+    if single:
+        op, args = aten.count_nonzero.default, [x, dims[0] if dims else None]
+    else:
+        op, args = aten.count_nonzero.dim_IntList, [x, dims]
+    assert_proven(op, args, rule=reductions.count_nonzero_rule, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=0, max_dims=3), data=st.data())
+def test_aminmax_proven(mesh_shape, shape, data):
+    dim = data.draw(st.none() | st.integers(-max(len(shape), 1), max(len(shape), 1) - 1))
+    kwargs = {"dim": dim, "keepdim": data.draw(st.booleans())}
+    assert_proven(aten.aminmax.default, [sample_tensor(shape)], kwargs, rule=reductions.aminmax_rule,
+                  mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(sample=reduction_samples(), keepdim=st.booleans())
+def test_hash_tensor_proven(mesh_shape, sample, keepdim):
+    shape, dims = sample
+    assert_proven(aten.hash_tensor.default, [sample_tensor(shape), dims], {"keepdim": keepdim},
+                  rule=reductions.hash_tensor_rule, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(sample=reduction_samples(min_dims=1), keepdim=st.booleans())
+def test_logsumexp_proven(mesh_shape, sample, keepdim):
+    shape, dims = sample
+    args = [sample_tensor(shape), dims or [0], keepdim]
+    assert_proven(aten.logsumexp.default, args, rule=reductions.logsumexp_rule, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=1, max_dims=3), data=st.data())
+def test_cumsum_proven(mesh_shape, shape, data):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    assert_proven(aten.cumsum.default, [sample_tensor(shape), dim], rule=reductions.cumsum_rule, mesh_shape=mesh_shape)
+
+
+ONE_D_PLACEMENTS = [Replicate(), Shard(0), Shard(1), Shard(2), *(Partial(r) for r in ("sum", "avg", "max", "min"))]
+
+
+def _torch_offers(op, x, args):
+    with simulated_mesh((2,)) as mesh:
+        return {row for p in ONE_D_PLACEMENTS for row in op_strategy_rows(op, mesh, (x, *args), {}, [(p,)])}
+
+
+def _ours(rule, op, x, args):
+    return {tuple((p,) for p in row) for row in filled_rows(rule, op, (tensor_meta(x), *args), {})}
+
+
+def test_cumsum_covers_torch_rule():
+    x = sample_tensor((4, 6, 2))
+    for dim in (0, 1, 2):
+        assert _torch_offers(aten.cumsum.default, x, [dim]) <= _ours(reductions.cumsum_rule, aten.cumsum.default, x, [dim])
+
+
+def test_logsumexp_covers_torch_rule_and_fixes_its_keepdim():
+    """Without keepdim torch's rows are a subset of ours. With keepdim passed positionally (as DTensor passes it)
+    torch maps the surviving dims as if they had been removed: that row is wrong, and ours replaces it."""
+    op, x = aten.logsumexp.default, sample_tensor((4, 6, 2))
+    for dims in ([0], [1], [0, 2]):
+        assert _torch_offers(op, x, [dims, False]) <= _ours(reductions.logsumexp_rule, op, x, [dims, False])
+    torch_rows = _torch_offers(op, x, [[0], True])
+    assert ((Shard(0),), (Shard(1),)) in torch_rows
+    reason = check_combination(op, [x, [0], True], mesh_shape=(2,), inputs=[[Shard(1)]], outputs=[[Shard(0)]])
+    assert reason is not None and "shard sizes" in reason
+    assert ((Shard(1),), (Shard(1),)) in _ours(reductions.logsumexp_rule, op, x, [[0], True])
+
+
+def test_torch_validator_finds_no_incorrect_rule():
+    assert_torch_validator_agrees("count_nonzero", max_samples=None)
+    assert_torch_validator_agrees("cumsum", upgrade=["aten::cumsum"])
+    # these OpInfo samples only reach combinations the validator counts as trivial: run for false positives only
+    assert_torch_validator_agrees("aminmax", exercised=False)
+    assert_torch_validator_agrees("logsumexp", upgrade=["aten::logsumexp"], exercised=False)
+
+
+def test_end_to_end_reductions(installed):
+    """count_nonzero over a sharded dim is a Partial sum; upgraded logsumexp with keepdim is right on a 2-D mesh."""
+    ints = sample_tensor((5, 7), torch.int64, high=2)
+    x = sample_tensor((4, 6, 3))
+    try:
+        dtensor_ext.install(upgrade=["aten::logsumexp"])
+        with simulated_mesh((2, 2)) as mesh:
+            counts = torch.count_nonzero(distribute_tensor(ints, mesh, [Shard(1), Shard(0)]), dim=1)
+            counts_placements, counts_full = counts.placements, counts.full_tensor()
+            lse = torch.logsumexp(distribute_tensor(x, mesh, [Shard(1), Shard(2)]), 0, keepdim=True)
+            lse_placements, lse_full = lse.placements, lse.full_tensor()
+    finally:
+        dtensor_ext.install()
+    assert counts_placements == (Partial("sum"), Shard(0))
+    torch.testing.assert_close(counts_full, torch.count_nonzero(ints, dim=1))
+    assert lse_placements == (Shard(1), Shard(2))
+    torch.testing.assert_close(lse_full, torch.logsumexp(x, 0, keepdim=True))
