@@ -39,6 +39,12 @@ def _partial_kinds(meta, kinds):
     return [k for k in kinds if k != "avg" or _floating(meta)]
 
 
+def _splits(size: int) -> bool:
+    """Whether splitting a dim of this size into parts of a sum is worth a row: a size-1 dim puts the whole
+    tensor on one rank, which torch's validator reads as a replicated tensor and then rejects the row."""
+    return size > 1
+
+
 def _dim(dim: int, ndim: int) -> int:
     return dim % max(ndim, 1)
 
@@ -50,7 +56,7 @@ def index_add_rule(op, args, kwargs):
     ndim = len(self.shape)
     dim = _dim(dim, ndim)
     rows = [[S(d), S(d), R(), S(d)] for d in range(ndim) if d != dim]
-    if ndim:  # each rank adds its slice of source: parts of one sum
+    if ndim and _splits(index.shape[0]):  # each rank adds its slice of source: parts of one sum
         rows.append([Partial("sum"), Partial("sum"), S(0), S(dim)])
     rows += [[Partial(k), Partial(k), R(), Partial(k)] for k in _partial_kinds(self, LINEAR_REDUCTIONS)]
     # self_r + c is affine and monotone in self_r; self + alpha * source_r is affine in source_r
@@ -120,7 +126,7 @@ def _scatter_rows(self, dim, index, src, reduce, include_self):
     rows += [[Partial(k), Partial(k), R(), R()] for k in _partial_kinds(self, self_only)]
     rows += [[Partial(k), R(), R(), Partial(k)] for k in _partial_kinds(self, src_only)]
     split = algebra.split
-    if split and include_self and ndim and index.shape[dim] == src.shape[dim]:
+    if split and include_self and ndim and index.shape[dim] == src.shape[dim] and _splits(index.shape[dim]):
         # positions no shard scatters to keep self on every rank, which only sum must not count twice
         rows.append([Partial(split), Partial(split), S(dim), S(dim)])
         if split != "sum":
@@ -170,7 +176,7 @@ def put_rule(op, args, kwargs):
     rows += [[Partial(k), Partial(k), R(), R()] for k in _partial_kinds(self, IDEMPOTENT_REDUCTIONS)]
     rows += [[Partial(k), R(), R(), Partial(k)] for k in _partial_kinds(self, ("avg",))]
     if tuple(index.shape) == tuple(source.shape):
-        rows += [[Partial("sum"), Partial("sum"), S(d), S(d)] for d in range(len(index.shape))]
+        rows += [[Partial("sum"), Partial("sum"), S(d), S(d)] for d, n in enumerate(index.shape) if _splits(n)]
     return rows
 
 
@@ -186,10 +192,11 @@ def searchsorted_rule(op, args, kwargs):
         along_rows = not one_sequence and d < ndim - 1  # a batch dim of both: shard the rows with the values
         shared = S(d) if along_rows else R()
         rows.append([S(d), shared, S(d), *([shared] if sorter is not None else [])])
-    no_sorter = [R()] if sorter is not None else []
+    replicated_sorter = [R()] if sorter is not None else []
     # the position only grows with the value, so it commutes with max and min of the values
-    rows += [[Partial(k), R(), Partial(k), *no_sorter] for k in ("max", "min")]
-    if sorter is None:  # the position is a count of smaller elements: each shard of a sorted row counts its own
+    rows += [[Partial(k), R(), Partial(k), *replicated_sorter] for k in ("max", "min")]
+    if sorter is None and _splits(seq.shape[-1]):
+        # the position is a count of smaller elements: each shard of a sorted row counts its own
         rows.append([Partial("sum"), S(len(seq.shape) - 1), R()])
     return rows
 
@@ -261,6 +268,8 @@ def unsafe_masked_index_put_accumulate_rule(op, args, kwargs):
                      _follow_result_dim(values, v_dim, v_ndim)])
     for b in range(rank):  # each rank accumulates the values of its slice of index positions
         v_dim = insert + b
+        if not _splits(values.shape[v_dim]):
+            continue
         rows.append([Partial("sum"), Partial("sum"), _follow_result_dim(mask, v_dim, v_ndim),
                      *(_follow_result_dim(idx, b, rank) for idx in present), _follow_result_dim(values, v_dim, v_ndim)])
     rows += [[Partial(k), Partial(k), R(), *(R() for _ in present), Partial(k)]
