@@ -190,3 +190,10 @@ def is_placeholder(p: object) -> bool:
 
 def fill_placeholders(row: Sequence[Any], shard_type: Callable[[int], Placement] = Shard) -> list[Any]:
     return [shard_type(p.dim) if is_placeholder(p) else p for p in row]
+
+
+def compare_operator(*args, **kwargs):
+    """torch's own strategy validator (2.12+): checks the rules DTensor holds for an OpInfo op on a fake group."""
+    from torch.distributed.tensor._ops.strategy_validation import compare_operator as validate
+
+    return validate(*args, **kwargs)

@@ -235,13 +235,19 @@ def _masked_index_rows(self, mask, indices, out_ndim):
     for b in range(rank):
         out_dim = insert + b
         idx_places = [_follow_result_dim(idx, b, rank) for idx in present]
+        if all(isinstance(p, Replicate) for p in idx_places):  # every index broadcasts here: nothing to split
+            continue
         rows.append([S(out_dim), R(), _follow_result_dim(mask, out_dim, out_ndim), *idx_places])
     return rows
 
 
-@single_dim_rule("aten::_unsafe_masked_index", family=FAMILY, schema_info=RuntimeSchemaInfo(3, needs_pytree=True))
+@single_dim_rule("aten::_unsafe_masked_index", family=FAMILY, schema_info=RuntimeSchemaInfo(3, needs_pytree=True),
+                 allow_uneven_sharding=False)
 def unsafe_masked_index_rule(op, args, kwargs):
-    """where(mask, self[indices], fill): advanced indexing's shardable dims; fill counts once per rank."""
+    """where(mask, self[indices], fill): advanced indexing's shardable dims; fill counts once per rank.
+
+    Even shards only: on an empty self the kernel returns a result of the wrong shape, and uneven shards can be
+    empty."""
     self, mask, indices, fill = args[:4]
     indexed, rank, _ = _index_layout(self, indices)
     out_ndim = len(self.shape) - len(indexed) + rank
@@ -268,10 +274,11 @@ def unsafe_masked_index_put_accumulate_rule(op, args, kwargs):
                      _follow_result_dim(values, v_dim, v_ndim)])
     for b in range(rank):  # each rank accumulates the values of its slice of index positions
         v_dim = insert + b
-        if not _splits(values.shape[v_dim]):
+        idx_places = [_follow_result_dim(idx, b, rank) for idx in present]
+        if not _splits(values.shape[v_dim]) or all(isinstance(p, Replicate) for p in idx_places):
             continue
-        rows.append([Partial("sum"), Partial("sum"), _follow_result_dim(mask, v_dim, v_ndim),
-                     *(_follow_result_dim(idx, b, rank) for idx in present), _follow_result_dim(values, v_dim, v_ndim)])
+        rows.append([Partial("sum"), Partial("sum"), _follow_result_dim(mask, v_dim, v_ndim), *idx_places,
+                     _follow_result_dim(values, v_dim, v_ndim)])
     rows += [[Partial(k), Partial(k), R(), *(R() for _ in present), Partial(k)]
              for k in _partial_kinds(self, LINEAR_REDUCTIONS)]
     return rows

@@ -4,6 +4,8 @@ validator agrees; real DTensor programs match single-device runs."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -132,3 +134,100 @@ def test_searchsorted(mesh_shape, batch, length, values, one_sequence, right, wi
         kwargs["sorter"] = unsorted.argsort(-1)
     prove(aten.searchsorted.Tensor, indexing.searchsorted_rule, [seq, floats((*batch, values), 1)], kwargs,
           mesh_shape)
+
+
+@st.composite
+def masked_index_operands(draw, even_multiple=1):
+    """self, mask and an indices list (None on dims not indexed) whose tensors broadcast together; the mask
+    broadcasts against the result. Dims of self that no index touches are multiples of `even_multiple`."""
+    shape = draw(st.lists(dims(), min_size=1, max_size=3))
+    indexed = draw(st.lists(st.booleans(), min_size=len(shape), max_size=len(shape)).filter(any))
+    shape = [s if indexed[d] else s * even_multiple for d, s in enumerate(shape)]
+    broadcast = draw(st.lists(dims(min_size=0), min_size=1, max_size=2))
+    index_list = []
+    for d, size in enumerate(shape):
+        if not indexed[d]:
+            index_list.append(None)
+            continue
+        own = [b if draw(st.booleans()) else 1 for b in broadcast]
+        index_list.append(indices(size, tuple(own), d))
+    while index_list[-1] is None:  # trailing Nones are not part of the op's indices list
+        index_list.pop()
+    self = floats(shape, 0)
+    result_shape = self[tuple(slice(None) if i is None else i for i in index_list)].shape
+    mask_shape = [s if draw(st.booleans()) else 1 for s in result_shape][draw(st.integers(0, len(result_shape))):]
+    return self, indices(2, tuple(mask_shape), 9).bool(), index_list, result_shape
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=list(MESH_SHAPES))
+@given(data=st.data(), fill=st.sampled_from([0.0, -1.5]))
+def test_unsafe_masked_index(mesh_shape, data, fill):
+    """The rule asks for even shards of self (an empty self gives a wrongly shaped result): self's unindexed
+    dims are drawn as multiples of the mesh size; the index dims stay uneven."""
+    self, mask, index_list, _ = data.draw(masked_index_operands(even_multiple=math.prod(mesh_shape)))
+    prove(aten._unsafe_masked_index.default, indexing.unsafe_masked_index_rule, [self, mask, index_list, fill],
+          mesh_shape=mesh_shape)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=list(MESH_SHAPES))
+@given(operands=masked_index_operands())
+def test_unsafe_masked_index_put_accumulate(mesh_shape, operands):
+    self, mask, index_list, result_shape = operands
+    prove(aten._unsafe_masked_index_put_accumulate.default, indexing.unsafe_masked_index_put_accumulate_rule,
+          [self, mask, index_list, floats(result_shape, 3)], mesh_shape=mesh_shape)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=list(MESH_SHAPES))
+@given(rows=dims(), width=dims(min_size=0), bag_sizes=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+       mode=st.sampled_from([0, 1, 2]), weighted=st.booleans(), forward_only=st.booleans())
+def test_embedding_bag(mesh_shape, rows, width, bag_sizes, mode, weighted, forward_only):
+    n = sum(bag_sizes)
+    offsets = torch.tensor([0, *bag_sizes[:-1]]).cumsum(0)
+    weights = floats((n,), 4) if weighted and mode == 0 else None  # per-sample weights need mode="sum"
+    op = aten._embedding_bag_forward_only.default if forward_only else aten._embedding_bag.default
+    args = [floats((rows, width), 0), indices(rows, (n,), 1), offsets, False, mode, False, weights]
+    prove(op, indexing.embedding_bag_rule, args, mesh_shape=mesh_shape)
+
+
+# OpInfo names whose samples reach the ops above as single aten calls.
+VALIDATED_OPINFOS = ["index_add", "index_copy", "scatter_reduce", "scatter", "masked_scatter", "take", "put",
+                     "_unsafe_masked_index", "_unsafe_masked_index_put_accumulate"]
+
+
+@pytest.mark.parametrize("name", VALIDATED_OPINFOS)
+def test_torch_validator_finds_no_wrong_rule(mesh_1d2, name):
+    from dtensor_ext._compat import compare_operator
+
+    stats = compare_operator(name, world_size=2, max_samples=4, incorrect_only=True, dtype=torch.float64)
+    assert stats.true_positives > 0, f"{name}: the validator checked nothing"
+    assert len(stats.false_positives) == 0, "\n".join(map(str, stats.false_positives))
+
+
+def test_indexing_ops_run_on_sharded_dtensors_like_on_one_device():
+    """Real DTensor programs on a 2x2 mesh: the MoE combine (index_add of token-sharded expert outputs, summed
+    without gathering them), a scatter max over a feature-sharded tensor, take with a sharded index,
+    searchsorted of sharded values."""
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    tokens, expert_out, slots = floats((6, 4), 0), floats((9, 4), 1), indices(6, (9,), 2)
+    table, scatter_index, src = floats((5, 7), 3), indices(5, (3, 7), 4), floats((3, 7), 5)
+    flat_index, sorted_seq, values = indices(35, (5, 3), 6), floats((11,), 7).sort().values, floats((5, 3), 8)
+    with simulated_mesh((2, 2)) as mesh:
+
+        def shard(t, *placements):
+            return distribute_tensor(t, mesh, list(placements))
+
+        combined = torch.index_add(shard(tokens, Replicate(), Replicate()), 0, shard(slots, Shard(0), Shard(0)),
+                                   shard(expert_out, Shard(0), Shard(0)))
+        assert combined.placements == (Partial("sum"), Partial("sum"))
+        torch.testing.assert_close(combined.full_tensor(), torch.index_add(tokens, 0, slots, expert_out))
+        maxed = torch.scatter_reduce(shard(table, Shard(1), Replicate()), 0,
+                                     shard(scatter_index, Shard(1), Replicate()), shard(src, Shard(1), Replicate()),
+                                     "amax")
+        assert maxed.placements[0] == Shard(1)
+        torch.testing.assert_close(maxed.full_tensor(), torch.scatter_reduce(table, 0, scatter_index, src, "amax"))
+        taken = torch.take(shard(table, Replicate(), Replicate()), shard(flat_index, Shard(0), Shard(1)))
+        assert taken.placements == (Shard(0), Shard(1))
+        torch.testing.assert_close(taken.full_tensor(), torch.take(table, flat_index))
+        found = torch.searchsorted(shard(sorted_seq, Replicate(), Replicate()), shard(values, Shard(0), Shard(1)))
+        assert found.full_tensor().equal(torch.searchsorted(sorted_seq, values))
