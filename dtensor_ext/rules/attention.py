@@ -102,14 +102,12 @@ def _dropout_causal(args, kwargs, first):
     return dropout_p, is_causal
 
 
-# Even shards only: on torch 2.13 the CPU kernel and its backward kill the process (SIGFPE) when heads, query or
-# key sequence are empty, and an uneven shard can be empty.
-@single_dim_rule(
-    "aten::_scaled_dot_product_flash_attention_for_cpu",
-    family=FAMILY,
-    schema_info=RuntimeSchemaInfo(3),
-    allow_uneven_sharding=False,
-)
+# Even shards only: on torch 2.13 the CPU kernel kills the process (SIGFPE) when heads, query or key sequence are
+# empty (or k has more heads than q), and an uneven shard can be empty.
+_CPU_KERNEL = {"family": FAMILY, "allow_uneven_sharding": False}
+
+
+@single_dim_rule("aten::_scaled_dot_product_flash_attention_for_cpu", schema_info=RuntimeSchemaInfo(3), **_CPU_KERNEL)
 def cpu_flash_attention_rule(op, args, kwargs):
     """(q, k, v[, mask]) -> (out, logsumexp)."""
     query, key, value = args[:3]
@@ -126,10 +124,7 @@ def cpu_flash_attention_rule(op, args, kwargs):
 
 
 @single_dim_rule(
-    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-    family=FAMILY,
-    schema_info=RuntimeSchemaInfo(6),
-    allow_uneven_sharding=False,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward", schema_info=RuntimeSchemaInfo(6), **_CPU_KERNEL
 )
 def cpu_flash_attention_backward_rule(op, args, kwargs):
     """(grad_out, q, k, v, out, logsumexp[, mask]) -> (grad_q, grad_k, grad_v)."""
