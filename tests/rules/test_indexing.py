@@ -206,12 +206,13 @@ def test_torch_validator_finds_no_wrong_rule(mesh_1d2, name):
 def test_indexing_ops_run_on_sharded_dtensors_like_on_one_device():
     """Real DTensor programs on a 2x2 mesh: the MoE combine (index_add of token-sharded expert outputs, summed
     without gathering them), a scatter max over a feature-sharded tensor, take with a sharded index,
-    searchsorted of sharded values."""
+    searchsorted of sharded values, embedding_bag of a column-sharded table."""
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
     tokens, expert_out, slots = floats((6, 4), 0), floats((9, 4), 1), indices(6, (9,), 2)
     table, scatter_index, src = floats((5, 7), 3), indices(5, (3, 7), 4), floats((3, 7), 5)
     flat_index, sorted_seq, values = indices(35, (5, 3), 6), floats((11,), 7).sort().values, floats((5, 3), 8)
+    bag_items, bag_offsets = indices(5, (8,), 9), torch.tensor([0, 3, 5])
     with simulated_mesh((2, 2)) as mesh:
 
         def shard(t, *placements):
@@ -231,3 +232,9 @@ def test_indexing_ops_run_on_sharded_dtensors_like_on_one_device():
         torch.testing.assert_close(taken.full_tensor(), torch.take(table, flat_index))
         found = torch.searchsorted(shard(sorted_seq, Replicate(), Replicate()), shard(values, Shard(0), Shard(1)))
         assert found.full_tensor().equal(torch.searchsorted(sorted_seq, values))
+        whole = (Replicate(), Replicate())
+        bags = torch.nn.functional.embedding_bag(shard(bag_items, *whole), shard(table, Shard(1), Replicate()),
+                                                 shard(bag_offsets, *whole), mode="mean")
+        assert bags.placements == (Shard(1), Replicate())
+        torch.testing.assert_close(bags.full_tensor(),
+                                   torch.nn.functional.embedding_bag(bag_items, table, bag_offsets, mode="mean"))
