@@ -134,7 +134,9 @@ def _scatter_rows(self, dim, index, src, reduce, include_self):
     return rows
 
 
-@single_dim_rule("aten::scatter_reduce.two", family=FAMILY, schema_info=RuntimeSchemaInfo(2, static_kwargkey=["include_self"]))
+@single_dim_rule(
+    "aten::scatter_reduce.two", family=FAMILY, schema_info=RuntimeSchemaInfo(2, static_kwargkey=["include_self"])
+)
 def scatter_reduce_rule(op, args, kwargs):
     self, dim, index, src, reduce = args[:5]
     include_self = kwargs.get("include_self", True) if len(args) < 6 else args[5]
@@ -258,7 +260,9 @@ def unsafe_masked_index_rule(op, args, kwargs):
     return rows
 
 
-@single_dim_rule("aten::_unsafe_masked_index_put_accumulate", family=FAMILY, schema_info=RuntimeSchemaInfo(needs_pytree=True))
+@single_dim_rule(
+    "aten::_unsafe_masked_index_put_accumulate", family=FAMILY, schema_info=RuntimeSchemaInfo(needs_pytree=True)
+)
 def unsafe_masked_index_put_accumulate_rule(op, args, kwargs):
     """self.index_put(indices, where(mask, values, 0), accumulate=True): linear in (self, values)."""
     self, mask, indices, values = args[:4]

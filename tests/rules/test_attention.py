@@ -158,7 +158,9 @@ def test_efficient_attention_rows_follow_the_bias():
         [S(2), S(1), R, R, S(2), S(2), S(2), S(1)],
     ]
     grad_args = [q, q, k, k, bias, q, None, None, 5, 7, meta(2, 4, 32), 0.0, meta(), meta(), 0, True]
-    grad_rows = rendered(attention.efficient_attention_backward_rule(aten._efficient_attention_backward.default, grad_args, {}))
+    grad_rows = rendered(
+        attention.efficient_attention_backward_rule(aten._efficient_attention_backward.default, grad_args, {})
+    )
     assert grad_rows == [
         [S(0), S(0), S(0), S(0), S(0), S(0), S(0), S(0), S(0), S(0), S(0), R, R],
         [S(2), S(2), S(2), S(1), S(2), S(2), S(2), S(2), S(1), S(2), S(1), R, R],
