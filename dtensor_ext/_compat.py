@@ -272,3 +272,10 @@ def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str
         inputs = pytree.tree_leaves(spec.input_specs)
         rows.add(tuple(s.placements if s is not None else None for s in (*outputs, *inputs)))
     return rows
+
+
+def compare_operator(*args, **kwargs):
+    """torch's own strategy validator (2.12+): checks the rules DTensor holds for an OpInfo op on a fake group."""
+    from torch.distributed.tensor._ops.strategy_validation import compare_operator as validate
+
+    return validate(*args, **kwargs)
