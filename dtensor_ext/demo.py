@@ -1,6 +1,6 @@
 """`python -m dtensor_ext demo`: a tensor-parallel transformer block on a simulated mesh, checked against one device.
 
-The block (attention, RMSNorm, SwiGLU MLP) is sharded Megatron-style with `parallelize_module`: q/k/v and the MLP's
+The block (causal SDPA attention, RMSNorm, SwiGLU MLP) is sharded Megatron-style with `parallelize_module`: q/k/v and the MLP's
 gate/up projections column-parallel, the output projections row-parallel. Forward and backward run on every rank
 of the simulated mesh; the loss and every gradient are compared with the same block on one device.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import time
 from dataclasses import dataclass
 
@@ -46,10 +45,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds heads / tp of them
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-        # the causal mask is derived from the scores so it takes their layout (local tensor or DTensor alike)
-        causal_mask = torch.full_like(scores, float("-inf")).triu(1)
-        attn = (scores + causal_mask).softmax(-1) @ v
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(attn.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -198,7 +194,7 @@ def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def format_result(r: DemoResult) -> str:
     lines = [
-        f"transformer block on a simulated {'x'.join(map(str, r.mesh_shape))} mesh "
+        f"transformer block on a simulated {'x'.join(map(str, r.mesh_shape))}{'-rank' if len(r.mesh_shape) == 1 else ''} mesh "
         f"({'tensor parallel' if len(r.mesh_shape) == 1 else 'data x tensor parallel'}) vs one device "
         f"({r.seconds:.1f}s)",
         f"  loss {r.loss:.6f} (one device {r.reference_loss:.6f}); max |output error| {r.max_output_error:.2e}; "

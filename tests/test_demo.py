@@ -19,11 +19,13 @@ def test_demo_matches_one_device_and_reports_collectives():
     assert result.payload_bytes["all_reduce"] >= 2 * 2 * 8 * 32 * 4
 
 
-def test_data_by_tensor_parallel_mesh_matches_one_device_through_our_loss_rule():
+def test_data_by_tensor_parallel_mesh_matches_one_device_through_our_rules():
     # torch 2.13 alone gets the batch-sharded mse_loss gradient wrong by the data-parallel factor
     result = run_demo((2, 2), cfg=SMALL)
     assert result.max_grad_error < 1e-4 and result.max_output_error < 1e-4
     assert "aten.mse_loss_backward.default" in result.rules_used
+    # batch x heads sharded attention runs through our CPU SDPA rules, forward and backward
+    assert "aten._scaled_dot_product_flash_attention_for_cpu_backward.default" in result.rules_used
 
 
 @pytest.mark.parametrize(
