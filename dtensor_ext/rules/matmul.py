@@ -61,12 +61,6 @@ def addmm_activation_rule(op, args, kwargs):
     )
 
 
-@single_dim_rule("aten::_weight_int8pack_mm", family=FAMILY)
-def weight_int8pack_mm_rule(op, args, kwargs):
-    """x @ w.T scaled per output column: the scales multiply the product, so they follow n."""
-    return factor_strategies("mk,nk,n->mn", list(args[:3]), linear_in=(0,), linear_reductions=("sum",))
-
-
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
