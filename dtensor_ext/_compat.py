@@ -107,19 +107,22 @@ _REGISTRATION_TABLES = (
     "op_strategy_funcs",
     "op_to_rules",
     "op_to_schema_info",
+    "op_to_scalar_shape_adjuster",  # 2.13+; absent tables are skipped
 )
 
 
 def snapshot_registration(op: OpOverload) -> dict[str, Any]:
     """Everything the propagator knows about `op`, so that it can be put back exactly."""
     prop = propagator()
-    return {t: getattr(prop, t)[op] for t in _REGISTRATION_TABLES if op in getattr(prop, t)}
+    return {t: getattr(prop, t)[op] for t in _REGISTRATION_TABLES if op in getattr(prop, t, {})}
 
 
 def restore_registration(op: OpOverload, snapshot: dict[str, Any]) -> None:
     prop = propagator()
     for table in _REGISTRATION_TABLES:
-        entries = getattr(prop, table)
+        entries = getattr(prop, table, None)
+        if entries is None:
+            continue
         if table in snapshot:
             entries[op] = snapshot[table]
         else:
@@ -168,6 +171,25 @@ def register_single_dim(
     }
     kwargs = {k: v for k, v in wanted.items() if k in _REGISTER_PARAMS}
     _sds.register_single_dim_strategy(op, **kwargs)(_adapt_rows_for_torch(func))
+
+
+def register_scalar_adjuster(op: OpOverload, local_scalars: Callable) -> None:
+    """Have DTensor rewrite `op`'s shape-derived scalar args for each rank's local tensors before running it.
+
+    local_scalars(args, local_shapes) -> args, where local_shapes lists the local shape of every tensor arg.
+    """
+    prop = propagator()
+    if not hasattr(prop, "op_to_scalar_shape_adjuster"):
+        raise NotImplementedError(f"{op}: this torch cannot rewrite scalar args per rank (needs torch >= 2.13)")
+
+    def adjust(input_specs: Sequence[DTensorSpec], schema: OpSchema) -> OpSchema:
+        local_shapes = [
+            compute_local_shape_and_global_offset(spec.tensor_meta.shape, spec.mesh, spec.placements)[0]
+            for spec in input_specs
+        ]
+        return OpSchema(schema.op, tuple(local_scalars(schema.args_schema, local_shapes)), schema.kwargs_schema)
+
+    prop.op_to_scalar_shape_adjuster[op] = adjust
 
 
 def auto_register_variants() -> bool:

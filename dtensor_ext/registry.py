@@ -30,6 +30,9 @@ class RuleSpec:
     allow_uneven_sharding: bool
     superset_of_torch: bool  # proven by our tests to cover torch's own rule; only then may it replace it
     where: str
+    # rewrites scalar args that the frontend derived from GLOBAL shapes (group norm's N, C, HxW) for one rank:
+    # (args, local shapes of the tensor args in order) -> args; DTensor applies it through its scalar adjusters
+    local_scalars: Callable | None = None
 
     def resolve(self) -> OpOverload | None:
         """The overload on the running torch, or None where this torch does not have the op."""
@@ -70,6 +73,7 @@ def single_dim_rule(
     schema_info: _compat.RuntimeSchemaInfo | None = None,
     allow_uneven_sharding: bool = True,
     superset_of_torch: bool = False,
+    local_scalars: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
     """Declare `func(op, args_meta, kwargs_meta) -> rows` as the single-dim rule of `ops`.
 
@@ -84,7 +88,9 @@ def single_dim_rule(
             name = _op_name(op)
             if name in _SPECS:
                 raise ValueError(f"{name}: a rule is already declared at {_SPECS[name].where}; not declaring {where}")
-            _SPECS[name] = RuleSpec(name, family, func, schema_info, allow_uneven_sharding, superset_of_torch, where)
+            _SPECS[name] = RuleSpec(
+                name, family, func, schema_info, allow_uneven_sharding, superset_of_torch, where, local_scalars
+            )
         return func
 
     return declare
@@ -151,6 +157,8 @@ def install(*, upgrade: bool | Iterable[str] = False) -> list[RegistryEntry]:
         _compat.register_single_dim(
             op, spec.func, schema_info=spec.schema_info, allow_uneven_sharding=spec.allow_uneven_sharding
         )
+        if spec.local_scalars is not None:
+            _compat.register_scalar_adjuster(op, spec.local_scalars)
         registered[op] = spec
         status = "upgraded" if torch_kind in _compat.DIRECT_STRATEGY_KINDS else "added"
         entries.append(RegistryEntry(spec.op_name, spec.family, status, torch_kind, spec.where))
@@ -196,6 +204,11 @@ def registry() -> list[RegistryEntry]:
     return [
         RegistryEntry(s.op_name, s.family, "not installed", _torch_kind_of(s), s.where) for s in _SPECS.values()
     ]
+
+
+def declared_rule(op: OpOverload) -> RuleSpec | None:
+    _load_rule_modules()
+    return _SPECS.get(_op_name(op))
 
 
 def declared_rules() -> dict[str, RuleSpec]:

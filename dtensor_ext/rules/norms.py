@@ -13,6 +13,8 @@ can hand a rank an empty shard (9 rows on 4 ranks: 3, 3, 3, 0), so the backward 
 
 from __future__ import annotations
 
+import math
+
 from dtensor_ext._compat import Partial, Replicate, RuntimeSchemaInfo, ShardingPlaceholder, TensorMeta
 from dtensor_ext.registry import single_dim_rule
 
@@ -66,4 +68,35 @@ def batch_norm_backward_rule(op, args, kwargs):
         for d in range(CHANNEL_DIM + 1, len(x.shape)):  # spatial dims; see the module note on empty batches
             inputs = _per_tensor(args, lambda i, d=d: ShardingPlaceholder(d) if i in (0, 1) else Replicate())
             rows.append([ShardingPlaceholder(d), Partial("sum"), Partial("sum"), *inputs])
+    return rows
+
+
+def _group_norm_local_scalars(args, local_shapes):
+    """native_group_norm_backward's N, C, HxW (args 5-7) come from the global input; each rank needs its own."""
+    n, c, *spatial = local_shapes[1]  # tensor args: grad_out, input, mean, rstd[, weight]
+    return (*args[:5], n, c, math.prod(spatial), *args[8:])
+
+
+@single_dim_rule(
+    "aten::native_group_norm_backward",
+    family=FAMILY,
+    schema_info=RuntimeSchemaInfo(5),
+    local_scalars=_group_norm_local_scalars,
+)
+def group_norm_backward_rule(op, args, kwargs):
+    """(grad_out, input, mean, rstd, weight?, N, C, HxW, group, mask) -> (grad_input, grad_weight, grad_bias).
+
+    Samples are independent: the batch dim shards with the per-sample statistics, and the weight/bias gradients
+    (sums over samples) come out Partial(sum). Everything is linear in grad_out.
+    """
+    mask = args[9]
+    weight_present = isinstance(args[4], TensorMeta)
+
+    def outputs(*placements):
+        return [p if wanted else None for p, wanted in zip(placements, mask)]
+
+    tail = [Replicate()] if weight_present else []
+    rows = [[*outputs(ShardingPlaceholder(0), Partial("sum"), Partial("sum")), *[ShardingPlaceholder(0)] * 4, *tail]]
+    for r in ("sum", "avg"):
+        rows.append([*outputs(Partial(r), Partial(r), Partial(r)), Partial(r), *[Replicate()] * 3, *tail])
     return rows

@@ -150,8 +150,11 @@ def _placement_code(p) -> str:
 class _Sample:
     """The op's arguments split into tensor inputs (in DTensor's order) and the rest, plus the true outputs."""
 
-    def __init__(self, op: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None):
+    def __init__(
+        self, op: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None, local_scalars: Callable | None = None
+    ):
         self.op = op
+        self.local_scalars = local_scalars
         self.args = tuple(args)
         self.kwargs = dict(kwargs or {})
         self.flat, self.spec = pytree.tree_flatten((self.args, self.kwargs))
@@ -175,6 +178,8 @@ class _Sample:
         for pos, local in zip(self.tensor_positions, local_inputs):
             flat[pos] = local
         args, kwargs = pytree.tree_unflatten(flat, self.spec)
+        if self.local_scalars is not None:
+            args = self.local_scalars(args, [t.shape for t in local_inputs])
         return self.outputs_of(self.op(*args, **kwargs))
 
 
@@ -227,6 +232,13 @@ def _rule_rows(rule: Callable, op: OpOverload, sample: _Sample, n_out: int) -> l
     if not any(all(isinstance(p, Replicate) or p is None for p in row) for row in rows):
         rows.insert(0, replicate)
     return list(dict.fromkeys(rows))
+
+
+def _declared_local_scalars(op: Callable) -> Callable | None:
+    from dtensor_ext.registry import declared_rule
+
+    spec = declared_rule(op) if isinstance(op, OpOverload) else None
+    return spec.local_scalars if spec is not None else None
 
 
 def _registered_rule(op: OpOverload) -> Callable:
@@ -290,7 +302,7 @@ def check_combination(
     outputs: Sequence[Sequence[Placement | None]],
 ) -> str | None:
     """Check one combination; None when valid, else the reason. The repro lines the checker prints call this."""
-    sample = _Sample(op, args, kwargs)
+    sample = _Sample(op, args, kwargs, _declared_local_scalars(op))
     combo = Combination(tuple(map(tuple, inputs)), tuple(map(tuple, outputs)))
     layout = torch.arange(math.prod(mesh_shape)).reshape(tuple(mesh_shape))
     return _run_combination(sample, combo, tuple(mesh_shape), _coords(layout), layout)
@@ -309,17 +321,19 @@ def check_rule(
     rule: Callable | None = None,
     search_missing: bool | None = None,
     max_combinations: int | None = None,
+    local_scalars: Callable | None = None,
 ) -> RuleReport:
     """Prove (or refute) the single-dim rule of `op` on one sample over a mesh of `mesh_shape`.
 
     rule: the rule function to check (default: the one registered for `op`).
     search_missing: also look for valid 1-D combinations the rule omits (default: on for 1-D meshes).
     max_combinations: cap on expanded combinations; beyond it an evenly spaced subset is checked.
+    local_scalars: rewrites shape-derived scalar args per rank (default: the one declared with our rule, if any).
     """
     start = time.perf_counter()
     mesh_shape = tuple(mesh_shape)
     rule = rule or _registered_rule(op)
-    sample = _Sample(op, args, kwargs)
+    sample = _Sample(op, args, kwargs, local_scalars or _declared_local_scalars(op))
     n_out = _num_outputs(op, sample)
     rows = _rule_rows(rule, op, sample, n_out)
     layout = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape)

@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import dtensor_ext
 from dtensor_ext._compat import Partial, tensor_meta
 from dtensor_ext.rules import norms
-from dtensor_ext.testing.checker import sample_tensor
+from dtensor_ext.testing.checker import check_rule, sample_tensor
 from dtensor_ext.testing.mesh import simulated_mesh
 from tests.rules.proof import (
     PROVING_MESHES,
@@ -190,3 +190,50 @@ def test_end_to_end_eval_batch_norm_stays_sharded():
         dtensor_ext.install()
     assert placements == (Shard(0), Shard(2))
     torch.testing.assert_close(full, F.batch_norm(x, mean, var, weight, bias, training=False))
+
+
+# group norm backward: a rule plus per-rank N/C/HxW (torch 2.13 raises on a batch-sharded backward)
+
+
+def _group_norm_backward_args(n, groups, spatial, mask, with_weight=True):
+    """float64: the linear rows add Partial pieces with large offsets, which float32 rounding cannot take."""
+    channels = 2 * groups
+    x = sample_tensor((n, channels, spatial), torch.float64)
+    weight = sample_tensor((channels,), torch.float64, seed=1) if with_weight else None
+    out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, None, n, channels, spatial, groups, 1e-5)
+    if not with_weight:  # autograd never asks for weight/bias gradients without a weight
+        mask = [mask[0], False, False]
+    return (sample_tensor(out.shape, torch.float64, seed=3), x, mean, rstd, weight, n, channels, spatial, groups, mask)
+
+
+@given(n=st.integers(1, 9), groups=st.integers(1, 3), spatial=st.integers(1, 4),
+       mask=st.sampled_from([[True, True, True], [True, False, False], [True, True, False]]),
+       with_weight=st.booleans())
+def test_group_norm_backward_proven_with_local_scalars(mesh_shape, n, groups, spatial, mask, with_weight):
+    args = _group_norm_backward_args(n, groups, spatial, mask, with_weight)
+    report = check_rule(torch.ops.aten.native_group_norm_backward.default, args, mesh_shape=mesh_shape,
+                        search_missing=False)
+    assert report.ok, str(report)
+
+
+def test_group_norm_backward_batch_rows_are_wrong_without_local_scalars():
+    args = _group_norm_backward_args(4, 2, 3, [True, True, True])
+    report = check_rule(torch.ops.aten.native_group_norm_backward.default, args, mesh_shape=(2,),
+                        search_missing=False, local_scalars=lambda a, shapes: a)
+    assert any("S(0)" in str(f.combination) for f in report.failures)
+
+
+def test_batch_sharded_group_norm_forward_and_backward_match_one_device(mesh_2d):
+    torch.manual_seed(0)
+    layer = torch.nn.GroupNorm(2, 6)
+    x = torch.randn(5, 6, 4, requires_grad=True)  # 5 samples on 2 ranks: uneven
+    layer(x).pow(2).sum().backward()
+    dx = distribute_tensor(x.detach(), mesh_2d, [Shard(0), Replicate()]).requires_grad_()
+    weight = distribute_tensor(layer.weight.detach(), mesh_2d, [Replicate(), Replicate()]).requires_grad_()
+    bias = distribute_tensor(layer.bias.detach(), mesh_2d, [Replicate(), Replicate()]).requires_grad_()
+    F.group_norm(dx, 2, weight, bias).pow(2).sum().backward()
+    assert dx.grad.placements == (Shard(0), Replicate())
+    assert weight.grad.placements == (Partial("sum"), Replicate())
+    torch.testing.assert_close(dx.grad.full_tensor(), x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight.grad.full_tensor(), layer.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bias.grad.full_tensor(), layer.bias.grad, rtol=1e-5, atol=1e-5)
