@@ -190,3 +190,25 @@ def is_placeholder(p: object) -> bool:
 
 def fill_placeholders(row: Sequence[Any], shard_type: Callable[[int], Placement] = Shard) -> list[Any]:
     return [shard_type(p.dim) if is_placeholder(p) else p for p in row]
+
+
+# --- Expansion of single-dim rules to the N-D mesh (fast propagation swaps it) ---
+from torch.distributed.tensor import _sharding_prop as _sharding_prop_module  # noqa: E402
+from torch.distributed.tensor._collective_utils import MeshTopoInfo, redistribute_cost  # noqa: E402,F401
+from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy  # noqa: E402,F401
+from torch.distributed.tensor._ops.utils import is_tensor_shardable  # noqa: E402,F401
+
+PreparedSingleDimStrategy = _sds._PreparedSingleDimStrategy
+# torch's own N-D expansion, captured at import so that it can always be called and put back
+full_single_dim_expansion = _sds._expand_single_dim_strategy_to_mesh
+
+
+def single_dim_expansion() -> Callable:
+    """The expansion function the propagator calls now."""
+    return _sharding_prop_module._expand_single_dim_strategy_to_mesh
+
+
+def set_single_dim_expansion(expand: Callable) -> None:
+    """Make the propagator expand single-dim rules with `expand` (same signature as torch's); clears both caches."""
+    _sharding_prop_module._expand_single_dim_strategy_to_mesh = expand
+    clear_sharding_caches()

@@ -1,0 +1,282 @@
+"""Fast sharding propagation: DTensor's cheapest N-D strategy for a single-dim rule, without enumerating S^N.
+
+torch expands a single-dim rule (S rows for one mesh dim) to an N-D mesh by pricing all S^N combinations of rows,
+which costs about a second per op on a 4-D mesh. The price of a combination is a sum over inputs of
+``redistribute_cost(source, target)``, and it has an admissible bound that splits per mesh dim: on a mesh dim
+where an input's target differs from a source that is Shard or Partial, the redistribution plan must take at
+least one collective step out of that source placement, and every such step costs at least an all-gather's
+latency plus the bandwidth of the smallest possible shard on that mesh dim. Combinations are visited in order of
+increasing bound (a k-best walk over per-mesh-dim sorted rows), priced exactly with torch's own cost function
+(memoized per input and target), and the walk stops once the bound reaches the best price found: nothing
+unvisited can be cheaper. The result has exactly the minimum cost the full expansion finds.
+
+Where an assumption of that argument cannot be checked (strided shards, symbolic shapes, tensors inside lists or
+passed as keywords, arguments on other meshes, ranks outside the mesh, foreach ops) the call goes to torch's full
+expansion unchanged, as it does when no valid combination is found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, OpSpec, OpStrategy, Partial, Placement, TensorMeta, TupleStrategy
+
+__all__ = ["enable", "disable", "is_enabled", "fast_propagation", "expand_single_dim_strategy", "min_cost_strategy"]
+
+# Bounds are shrunk by this factor so that rounding in the bound's arithmetic can never prune the true minimum.
+_BOUND_SAFETY = 1.0 - 1e-9
+
+_previous_expansion: list[Callable] = []
+
+
+def is_enabled() -> bool:
+    return _compat.single_dim_expansion() is expand_single_dim_strategy
+
+
+def enable() -> None:
+    """Route DTensor's expansion of single-dim rules through the fast search (idempotent)."""
+    if is_enabled():
+        return
+    _previous_expansion.append(_compat.single_dim_expansion())
+    _compat.set_single_dim_expansion(expand_single_dim_strategy)
+
+
+def disable() -> None:
+    """Put back exactly the expansion that was there before :func:`enable` (idempotent)."""
+    if not is_enabled():
+        return
+    _compat.set_single_dim_expansion(_previous_expansion.pop())
+
+
+@contextlib.contextmanager
+def fast_propagation() -> Iterator[None]:
+    """Fast propagation inside the block; the previous state afterwards."""
+    was_enabled = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable()
+
+
+def expand_single_dim_strategy(mesh, op_schema, strategy_info, output_tensor_meta) -> Callable:
+    """Drop-in for torch's ``_expand_single_dim_strategy_to_mesh``: returns ``(op, args, kwargs) -> strategy``."""
+    if not _search_applies(mesh, op_schema, strategy_info, output_tensor_meta):
+        return _compat.full_single_dim_expansion(mesh, op_schema, strategy_info, output_tensor_meta)
+
+    def expanded_strategy(op, args_schema, kwargs_schema):
+        found = min_cost_strategy(mesh, op_schema, strategy_info, output_tensor_meta)
+        if found is not None:
+            return found
+        full = _compat.full_single_dim_expansion(mesh, op_schema, strategy_info, output_tensor_meta)
+        return full(op, args_schema, kwargs_schema)
+
+    return expanded_strategy
+
+
+def _search_applies(mesh, op_schema, strategy_info, output_tensor_meta) -> bool:
+    """True where every assumption of the bound holds; otherwise torch's full expansion decides."""
+    if getattr(strategy_info, "different_mesh_args", None):
+        return False
+    if not mesh._is_current_rank_part_of_mesh():
+        return False  # torch prices every redistribution 0 there; the bound would not hold
+    if any(_holds_tensor(v) for v in op_schema.kwargs_schema.values()):
+        return False
+    inputs = []
+    for arg in op_schema.args_schema:
+        if isinstance(arg, _compat.OpStrategy):
+            inputs.append(arg)
+        elif _holds_tensor(arg):
+            return False  # tensor lists / tuples and foreach ops
+    if not inputs:
+        return False
+    for strategy in inputs:
+        if len(strategy.strategies) != 1:
+            return False
+        spec = strategy.strategies[0].output_spec
+        if spec.mesh != mesh or spec.tensor_meta is None or spec.shard_order is None:
+            return False
+        if any(isinstance(p, _compat.StridedShard) for p in spec.placements):
+            return False
+        if _symbolic(spec.tensor_meta):
+            return False
+    metas = [output_tensor_meta] if isinstance(output_tensor_meta, TensorMeta) else output_tensor_meta or []
+    return not any(m is not None and _symbolic(m) for m in metas)
+
+
+def _holds_tensor(obj) -> bool:
+    if isinstance(obj, (OpStrategy, TupleStrategy)):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(o) for o in obj)
+    return False
+
+
+def _symbolic(meta: TensorMeta) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in (*meta.shape, *meta.stride))
+
+
+def min_cost_strategy(mesh, op_schema, strategy_info, output_tensor_meta) -> OpStrategy | None:
+    """The cheapest combination as a one-entry OpStrategy, or None where the full expansion must decide.
+
+    The caller has checked :func:`_search_applies`.
+    """
+    prepared = _compat.PreparedSingleDimStrategy(strategy_info, op_schema, output_tensor_meta)
+    sources = [s.strategies[0].output_spec for s in op_schema.args_strategy]
+    rows = prepared.expanded_strategies
+    num_outputs = prepared.num_outputs
+    if len(sources) != prepared.num_inputs or not rows:
+        return None
+    if any(p is None for row in rows for p in row[num_outputs:]):
+        return None  # inputs without a spec: torch's bookkeeping for them is not modelled here
+    for pos in range(num_outputs):
+        if len({row[pos] is None for row in rows}) > 1:
+            return None
+    search = _Search(mesh, op_schema, prepared, sources, output_tensor_meta)
+    return search.run()
+
+
+class _Search:
+    """Best-first walk over row combinations in order of a per-mesh-dim admissible cost bound."""
+
+    def __init__(self, mesh, op_schema, prepared, sources: list[DTensorSpec], output_tensor_meta):
+        self.mesh = mesh
+        self.prepared = prepared
+        self.sources = sources
+        self.num_outputs = prepared.num_outputs
+        self.output_tensor_meta = output_tensor_meta
+        self.costs: dict[tuple[int, tuple[Placement, ...]], float] = {}
+        self.shardable: dict[tuple[int, tuple[Placement, ...]], bool] = {}
+        self.rows_per_dim = [self._ranked_rows(op_schema, dim) for dim in range(mesh.ndim)]
+
+    def _ranked_rows(self, op_schema, dim: int) -> list[tuple[float, Sequence]]:
+        """(bound, row) for the rows allowed on mesh dim `dim`, cheapest bound first, the no-change row first."""
+        rows = self.prepared.expanded_strategies
+        source_here = tuple(spec.placements[dim] for spec in self.sources)
+        if _is_inplace(op_schema.op):
+            # the result IS self: self may not move and the output must keep self's placement
+            own = source_here[0]
+            rows = [r for r in rows if r[self.num_outputs] == own and r[0] in (None, own)]
+        topo = _compat.MeshTopoInfo.build_from_mesh(self.mesh)
+        ranked = []
+        for row in rows:
+            targets = tuple(row[self.num_outputs :])
+            bound = sum(
+                self._step_bound(topo, dim, k, src, dst) for k, (src, dst) in enumerate(zip(source_here, targets))
+            )
+            ranked.append((bound * _BOUND_SAFETY, targets != source_here, row))
+        ranked.sort(key=lambda item: (item[0], item[1]))
+        return [(bound, row) for bound, _, row in ranked]
+
+    def _step_bound(self, topo, dim: int, k: int, src: Placement, dst: Placement) -> float:
+        """Least cost of leaving `src` on mesh dim `dim`: nothing unless it is a Shard or Partial that changes."""
+        if src == dst or not (src.is_shard() or src.is_partial()):
+            return 0.0
+        size = topo.mesh_dim_devices[dim]
+        meta = self.sources[k].tensor_meta
+        smallest_shard_gb = meta.dtype.itemsize * math.prod(meta.shape) / math.prod(self.mesh.shape) / 1024**3
+        latency = 6.6 + (size - 1) * topo.mesh_dim_latency[dim]
+        bandwidth = smallest_shard_gb * (size - 1) / size / topo.mesh_dim_bandwidth[dim]
+        return latency + bandwidth * 1e6
+
+    def run(self) -> OpStrategy | None:
+        best: tuple[float, OpSpec] | None = None
+        for bound, combo in self._combinations():
+            if best is not None and bound >= best[0]:
+                break
+            spec = self._op_spec(combo)
+            if spec is None:
+                continue
+            total = sum(c for per_input in spec.redistribute_cost for c in per_input)
+            if best is None or total < best[0]:
+                best = (total, spec)
+        if best is None or best[0] == float("inf"):
+            return None
+        return OpStrategy([best[1]])
+
+    def _combinations(self) -> Iterator[tuple[float, tuple[Sequence, ...]]]:
+        """Every combination of one row per mesh dim, in nondecreasing order of the summed bound.
+
+        Each index vector has one parent (its last nonzero index lowered by one), so a heap seeded with the zero
+        vector yields each combination once.
+        """
+        ranked = self.rows_per_dim
+        if any(not rows for rows in ranked):
+            return
+        start = (0,) * len(ranked)
+        heap = [(sum(rows[0][0] for rows in ranked), start)]
+        while heap:
+            bound, index = heapq.heappop(heap)
+            yield bound, tuple(ranked[d][i][1] for d, i in enumerate(index))
+            last = max((d for d, i in enumerate(index) if i), default=0)
+            for d in range(last, len(index)):
+                if index[d] + 1 < len(ranked[d]):
+                    child = index[:d] + (index[d] + 1,) + index[d + 1 :]
+                    heapq.heappush(heap, (sum(rows[i][0] for rows, i in zip(ranked, child)), child))
+
+    def _op_spec(self, combo: tuple[Sequence, ...]) -> OpSpec | None:
+        """The OpSpec torch's expansion builds for this combination, or None where torch would drop it."""
+        placements = list(zip(*combo))  # per output/input position: its placement on each mesh dim
+        if any(_mixed_partials(p) for p in placements if p[0] is not None):
+            return None
+        input_specs, costs = [], []
+        for k, source in enumerate(self.sources):
+            target = placements[self.num_outputs + k]
+            if not self._is_shardable(k, target):
+                return None
+            input_specs.append(DTensorSpec(self.mesh, target, tensor_meta=source.tensor_meta))
+            costs.append([self._cost(k, target, input_specs[-1])])
+        return OpSpec(output_specs=self._output_specs(placements), input_specs=input_specs, redistribute_cost=costs)
+
+    def _is_shardable(self, k: int, target: tuple[Placement, ...]) -> bool:
+        key = (k, target)
+        if key not in self.shardable:
+            source = self.sources[k]
+            spec = DTensorSpec(self.mesh, target, tensor_meta=source.tensor_meta)
+            self.shardable[key] = _compat.is_tensor_shardable(
+                source.tensor_meta.shape, spec, allow_unbacked_sharding=self.prepared.allow_unbacked_sharding
+            ) or (self.prepared.allow_uneven_sharding and source.placements == target)
+        return self.shardable[key]
+
+    def _cost(self, k: int, target: tuple[Placement, ...], spec: DTensorSpec) -> float:
+        key = (k, target)
+        if key not in self.costs:
+            self.costs[key] = _compat.redistribute_cost(self.sources[k], spec)
+        return self.costs[key]
+
+    def _output_specs(self, placements):
+        """Output specs with torch's pairing of output positions and tensor metas (None outputs skip a meta)."""
+        metas = self.output_tensor_meta
+        specs, seen = [], 0
+        for pos in range(self.num_outputs):
+            if placements[pos][0] is None:
+                specs.append(None)
+                continue
+            if isinstance(metas, TensorMeta) or metas is None:
+                meta = metas
+            else:
+                meta = metas[seen] if seen < len(metas) else None
+            seen += 1
+            specs.append(DTensorSpec(self.mesh, placements[pos], tensor_meta=meta))
+        if self.num_outputs == 0:
+            return None
+        return tuple(specs) if self.num_outputs > 1 else specs[0]
+
+
+def _mixed_partials(placements: tuple[Placement, ...]) -> bool:
+    """torch drops a spec with two kinds of Partial, except sum with avg of the same Partial type."""
+    kinds = {(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)}
+    if len(kinds) <= 1:
+        return False
+    return not (len({t for t, _ in kinds}) == 1 and {op for _, op in kinds} == {"sum", "avg"})
+
+
+def _is_inplace(op) -> bool:
+    return op.name().split("::")[1].split(".")[0].endswith("_")
