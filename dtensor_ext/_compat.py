@@ -212,3 +212,8 @@ def set_single_dim_expansion(expand: Callable) -> None:
     """Make the propagator expand single-dim rules with `expand` (same signature as torch's); clears both caches."""
     _sharding_prop_module._expand_single_dim_strategy_to_mesh = expand
     clear_sharding_caches()
+
+
+def propagate_cold(schema: OpSchema):
+    """Sharding propagation for `schema` bypassing both caches (what a never-seen op signature pays)."""
+    return propagator().propagate_op_sharding_non_cached(schema)

@@ -152,8 +152,7 @@ class _Search:
         self.sources = sources
         self.num_outputs = prepared.num_outputs
         self.output_tensor_meta = output_tensor_meta
-        self.costs: dict[tuple[int, tuple[Placement, ...]], float] = {}
-        self.shardable: dict[tuple[int, tuple[Placement, ...]], bool] = {}
+        self.priced: dict[tuple[int, tuple[Placement, ...]], tuple[DTensorSpec, float] | None] = {}
         self.rows_per_dim = [self._ranked_rows(op_schema, dim) for dim in range(mesh.ndim)]
 
     def _ranked_rows(self, op_schema, dim: int) -> list[tuple[float, Sequence]]:
@@ -187,19 +186,16 @@ class _Search:
         return latency + bandwidth * 1e6
 
     def run(self) -> OpStrategy | None:
-        best: tuple[float, OpSpec] | None = None
+        best_cost, best_combo = float("inf"), None
         for bound, combo in self._combinations():
-            if best is not None and bound >= best[0]:
+            if bound >= best_cost:
                 break
-            spec = self._op_spec(combo)
-            if spec is None:
-                continue
-            total = sum(c for per_input in spec.redistribute_cost for c in per_input)
-            if best is None or total < best[0]:
-                best = (total, spec)
-        if best is None or best[0] == float("inf"):
+            cost = self._price(combo)
+            if cost is not None and cost < best_cost:
+                best_cost, best_combo = cost, combo
+        if best_combo is None:
             return None
-        return OpStrategy([best[1]])
+        return OpStrategy([self._op_spec(best_combo)])
 
     def _combinations(self) -> Iterator[tuple[float, tuple[Sequence, ...]]]:
         """Every combination of one row per mesh dim, in nondecreasing order of the summed bound.
@@ -221,35 +217,39 @@ class _Search:
                     child = index[:d] + (index[d] + 1,) + index[d + 1 :]
                     heapq.heappush(heap, (sum(rows[i][0] for rows, i in zip(ranked, child)), child))
 
-    def _op_spec(self, combo: tuple[Sequence, ...]) -> OpSpec | None:
-        """The OpSpec torch's expansion builds for this combination, or None where torch would drop it."""
+    def _price(self, combo: tuple[Sequence, ...]) -> float | None:
+        """torch's total redistribute cost of this combination, or None where torch's expansion drops it."""
         placements = list(zip(*combo))  # per output/input position: its placement on each mesh dim
-        if any(_mixed_partials(p) for p in placements if p[0] is not None):
+        if any(p[0] is not None and _mixed_partials(p) for p in placements):
             return None
-        input_specs, costs = [], []
-        for k, source in enumerate(self.sources):
-            target = placements[self.num_outputs + k]
-            if not self._is_shardable(k, target):
+        costs = []
+        for k in range(len(self.sources)):
+            priced = self._priced_input(k, placements[self.num_outputs + k])
+            if priced is None:
                 return None
-            input_specs.append(DTensorSpec(self.mesh, target, tensor_meta=source.tensor_meta))
-            costs.append([self._cost(k, target, input_specs[-1])])
-        return OpSpec(output_specs=self._output_specs(placements), input_specs=input_specs, redistribute_cost=costs)
+            costs.append(priced[1])
+        return sum(costs)  # the order torch sums in, so that equal combinations give bit-identical totals
 
-    def _is_shardable(self, k: int, target: tuple[Placement, ...]) -> bool:
+    def _priced_input(self, k: int, target: tuple[Placement, ...]) -> tuple[DTensorSpec, float] | None:
+        """(spec, cost) of moving input `k` to `target`, or None where torch deems the target unshardable."""
         key = (k, target)
-        if key not in self.shardable:
+        if key not in self.priced:
             source = self.sources[k]
             spec = DTensorSpec(self.mesh, target, tensor_meta=source.tensor_meta)
-            self.shardable[key] = _compat.is_tensor_shardable(
+            shardable = _compat.is_tensor_shardable(
                 source.tensor_meta.shape, spec, allow_unbacked_sharding=self.prepared.allow_unbacked_sharding
             ) or (self.prepared.allow_uneven_sharding and source.placements == target)
-        return self.shardable[key]
+            self.priced[key] = (spec, _compat.redistribute_cost(source, spec)) if shardable else None
+        return self.priced[key]
 
-    def _cost(self, k: int, target: tuple[Placement, ...], spec: DTensorSpec) -> float:
-        key = (k, target)
-        if key not in self.costs:
-            self.costs[key] = _compat.redistribute_cost(self.sources[k], spec)
-        return self.costs[key]
+    def _op_spec(self, combo: tuple[Sequence, ...]) -> OpSpec:
+        placements = list(zip(*combo))
+        priced = [self._priced_input(k, placements[self.num_outputs + k]) for k in range(len(self.sources))]
+        return OpSpec(
+            output_specs=self._output_specs(placements),
+            input_specs=[spec for spec, _ in priced],
+            redistribute_cost=[[cost] for _, cost in priced],
+        )
 
     def _output_specs(self, placements):
         """Output specs with torch's pairing of output positions and tensor metas (None outputs skip a meta)."""
