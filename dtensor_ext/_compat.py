@@ -217,3 +217,14 @@ def set_single_dim_expansion(expand: Callable) -> None:
 def propagate_cold(schema: OpSchema):
     """Sharding propagation for `schema` bypassing both caches (what a never-seen op signature pays)."""
     return propagator().propagate_op_sharding_non_cached(schema)
+
+
+def greedy_redistribution_planned(source: DTensorSpec) -> bool:
+    """True where torch prices a move away from `source` (to placements in default order, no strided shards) with
+    its greedy planner: mesh dims right to left, then left to right. Fast propagation's tighter bound relies on it."""
+    from torch.distributed.tensor import _redistribute
+
+    return not getattr(_redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", True) and (
+        DTensorSpec.is_default_device_order(source.shard_order)
+    )
+from torch.distributed.tensor._collective_utils import allgather_cost, allreduce_cost, reduce_scatter_cost  # noqa: E402,F401,I001

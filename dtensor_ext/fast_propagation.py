@@ -29,8 +29,10 @@ from dtensor_ext._compat import DTensorSpec, OpSpec, OpStrategy, Partial, Placem
 
 __all__ = ["enable", "disable", "is_enabled", "fast_propagation", "expand_single_dim_strategy", "min_cost_strategy"]
 
-# Bounds are shrunk by this factor so that rounding in the bound's arithmetic can never prune the true minimum.
-_BOUND_SAFETY = 1.0 - 1e-9
+# The walk stops once the bound is within this factor of the best price: a few float roundings separate a bound
+# from the price it bounds (~1e-15 relative), so what is left unvisited costs at least the best minus 2e-12
+# relative; stopping at ties is what makes a bound that is exact on equal-cost combinations pay off.
+_TIE = 1.0 - 1e-12
 
 _previous_expansion: list[Callable] = []
 
@@ -153,6 +155,11 @@ class _Search:
         self.num_outputs = prepared.num_outputs
         self.output_tensor_meta = output_tensor_meta
         self.priced: dict[tuple[int, tuple[Placement, ...]], tuple[DTensorSpec, float] | None] = {}
+        topo = _compat.MeshTopoInfo.build_from_mesh(mesh)
+        self.bounds = [
+            _LeaveBound(mesh, topo, source, _shard_dims(prepared.expanded_strategies, self.num_outputs + k))
+            for k, source in enumerate(sources)
+        ]
         self.rows_per_dim = [self._ranked_rows(op_schema, dim) for dim in range(mesh.ndim)]
 
     def _ranked_rows(self, op_schema, dim: int) -> list[tuple[float, Sequence]]:
@@ -163,32 +170,18 @@ class _Search:
             # the result IS self: self may not move and the output must keep self's placement
             own = source_here[0]
             rows = [r for r in rows if r[self.num_outputs] == own and r[0] in (None, own)]
-        topo = _compat.MeshTopoInfo.build_from_mesh(self.mesh)
         ranked = []
         for row in rows:
             targets = tuple(row[self.num_outputs :])
-            bound = sum(
-                self._step_bound(topo, dim, k, src, dst) for k, (src, dst) in enumerate(zip(source_here, targets))
-            )
-            ranked.append((bound * _BOUND_SAFETY, targets != source_here, row))
+            bound = sum(b.leave(dim, dst) for b, dst in zip(self.bounds, targets))
+            ranked.append((bound, targets != source_here, row))
         ranked.sort(key=lambda item: (item[0], item[1]))
         return [(bound, row) for bound, _, row in ranked]
-
-    def _step_bound(self, topo, dim: int, k: int, src: Placement, dst: Placement) -> float:
-        """Least cost of leaving `src` on mesh dim `dim`: nothing unless it is a Shard or Partial that changes."""
-        if src == dst or not (src.is_shard() or src.is_partial()):
-            return 0.0
-        size = topo.mesh_dim_devices[dim]
-        meta = self.sources[k].tensor_meta
-        smallest_shard_gb = meta.dtype.itemsize * math.prod(meta.shape) / math.prod(self.mesh.shape) / 1024**3
-        latency = 6.6 + (size - 1) * topo.mesh_dim_latency[dim]
-        bandwidth = smallest_shard_gb * (size - 1) / size / topo.mesh_dim_bandwidth[dim]
-        return latency + bandwidth * 1e6
 
     def run(self) -> OpStrategy | None:
         best_cost, best_combo = float("inf"), None
         for bound, combo in self._combinations():
-            if bound >= best_cost:
+            if bound >= best_cost * _TIE:
                 break
             cost = self._price(combo)
             if cost is not None and cost < best_cost:
@@ -268,6 +261,58 @@ class _Search:
         if self.num_outputs == 0:
             return None
         return tuple(specs) if self.num_outputs > 1 else specs[0]
+
+
+class _LeaveBound:
+    """Least redistribute cost an input pays on one mesh dim for leaving its source placement there.
+
+    On a mesh dim whose source is a Shard or Partial and whose target differs, every plan takes a first step out
+    of the source there (Shard: all-gather or all-to-all; Partial: all-reduce or reduce-scatter), and its price is
+    at least the collective's at the fewest bytes the input can hold then. Planner-agnostically that is a shard
+    on every mesh dim; with torch's greedy planner (right to left, then left to right) it is a shard only on the
+    mesh dims that can be sharded at that moment, which is what makes the bound tight.
+    """
+
+    def __init__(self, mesh, topo, source: DTensorSpec, shard_dims: frozenset[int]):
+        self.mesh, self.topo, self.source = mesh, topo, source
+        self.shard_dims = shard_dims  # tensor dims the rule ever shards this input on
+        meta = source.tensor_meta
+        self.total_gb = meta.dtype.itemsize * math.prod(meta.shape) / 1024**3
+        self.greedy = _compat.greedy_redistribution_planned(source)
+        self.right_to_left_first = source.num_shards > 1  # greedy's first pass runs only then
+
+    def leave(self, dim: int, dst: Placement) -> float:
+        src = self.source.placements[dim]
+        if src == dst or not (src.is_shard() or src.is_partial()):
+            return 0.0
+        size = self.mesh.size(dim)
+        gb = self.total_gb / self._most_shards(dim, src, dst)
+        if src.is_shard():
+            return min(
+                _compat.allgather_cost(gb * size, self.topo, dim), _compat.allgather_cost(gb, self.topo, dim) + 1.0
+            )
+        return min(_compat.allreduce_cost(gb, self.topo, dim), _compat.reduce_scatter_cost(gb, self.topo, dim))
+
+    def _most_shards(self, dim: int, src: Placement, dst: Placement) -> int:
+        """How many shards the input can be split in when its first step on `dim` runs."""
+        sizes = self.mesh.shape
+        if not self.greedy:
+            return math.prod(sizes)
+        placements = self.source.placements
+        if not self.right_to_left_first:
+            # left to right only: the mesh dims before `dim` may hold their targets, the later ones their sources
+            earlier = math.prod(sizes[i] for i in range(dim) if self.shard_dims)
+            return earlier * math.prod(sizes[i] for i in range(dim, len(sizes)) if placements[i].is_shard())
+        # right to left first: the mesh dims before `dim` are untouched; a later one is sharded on tensor dim d only
+        # if the nesting of d over the mesh dims before it is the same in source and target, so not on a d that
+        # `src` or `dst` shards on `dim` (exactly one of them does)
+        moving = {p.dim for p in (src, dst) if p.is_shard()}
+        later = math.prod(sizes[i] for i in range(dim + 1, len(sizes)) if self.shard_dims - moving)
+        return math.prod(sizes[i] for i in range(dim + 1) if placements[i].is_shard()) * later
+
+
+def _shard_dims(rows, position: int) -> frozenset[int]:
+    return frozenset(row[position].dim for row in rows if row[position] is not None and row[position].is_shard())
 
 
 def _mixed_partials(placements: tuple[Placement, ...]) -> bool:
