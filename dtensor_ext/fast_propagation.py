@@ -285,13 +285,29 @@ class _LeaveBound:
         src = self.source.placements[dim]
         if src == dst or not (src.is_shard() or src.is_partial()):
             return 0.0
-        size = self.mesh.size(dim)
         gb = self.total_gb / self._most_shards(dim, src, dst)
         if src.is_shard():
-            return min(
-                _compat.allgather_cost(gb * size, self.topo, dim), _compat.allgather_cost(gb, self.topo, dim) + 1.0
-            )
-        return min(_compat.allreduce_cost(gb, self.topo, dim), _compat.reduce_scatter_cost(gb, self.topo, dim))
+            gather = _compat.allgather_cost(gb * self.mesh.size(dim), self.topo, dim)
+            all_to_all = _compat.allgather_cost(gb, self.topo, dim) + 1.0
+            if not self.greedy:
+                return min(gather, all_to_all)
+            if dst.is_replicate():
+                return gather
+            if dst.is_partial():
+                return math.inf  # greedy steps straight there, and torch prices Shard -> Partial infinite
+            return all_to_all if self._steps_straight_to_shard(dim) else min(gather, all_to_all)
+        reduce, reduce_scatter = (f(gb, self.topo, dim) for f in (_compat.allreduce_cost, _compat.reduce_scatter_cost))
+        if not self.greedy:
+            return min(reduce, reduce_scatter)
+        if dst.is_replicate():
+            return reduce
+        if dst.is_partial():
+            return math.inf  # torch prices a change of Partial kind infinite
+        return reduce_scatter if self._steps_straight_to_shard(dim) else min(reduce, reduce_scatter)
+
+    def _steps_straight_to_shard(self, dim: int) -> bool:
+        """Greedy goes straight to a Shard target unless its right-to-left pass finds other nesting before `dim`."""
+        return dim == 0 or not self.right_to_left_first
 
     def _most_shards(self, dim: int, src: Placement, dst: Placement) -> int:
         """How many shards the input can be split in when its first step on `dim` runs."""
