@@ -4,13 +4,13 @@ Each measurement propagates a never-seen signature (new shapes every repetition,
 simulated mesh; full and fast alternate so that machine noise hits both. Only ops torch shards with a single-dim
 rule go through the expansion that fast propagation replaces; the others are listed to show they are unaffected.
 
-    PYTHONPATH=. python benchmarks/propagation.py [--repeats 3] [--meshes 4 2x2 2x2x2 2x2x2x2]
+    PYTHONPATH=. python benchmarks/propagation.py [--repeats 3] [--meshes 4 2x2 2x2x2 2x2x2x2] [--ops mm add]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import gc
 import time
 
 import torch
@@ -159,26 +159,37 @@ def _cases():
 
 def _time_cold(op, builder, mesh, size) -> float:
     schema = OpSchema(op, builder(mesh, size), {})
-    start = time.perf_counter()
-    _compat.propagate_cold(schema)
-    return time.perf_counter() - start
+    gc.collect()
+    gc.disable()  # a collection landing inside one timing adds ~10 ms of noise to a few-ms measurement
+    try:
+        start = time.perf_counter()
+        _compat.propagate_cold(schema)
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
-def _measure(mesh, op, builder, repeats: int) -> tuple[float, float]:
+def _measure(mesh, op, builder, repeats: int, min_seconds: float) -> tuple[float, float]:
+    """Best of at least `repeats` alternating full/fast pairs, more for cheap cases (up to `min_seconds` or 25)."""
+    for warm_up in (fast_propagation.disable, fast_propagation.enable):  # first calls pay one-off imports/caches
+        warm_up()
+        _time_cold(op, builder, mesh, 48)
     full, fast = [], []
-    for rep in range(repeats):
-        size = 64 + 16 * (2 * rep)
+    started = time.perf_counter()
+    while len(full) < repeats or (time.perf_counter() - started < min_seconds and len(full) < 25):
+        size = 64 + 32 * len(full)
         fast_propagation.disable()
         full.append(_time_cold(op, builder, mesh, size))
         fast_propagation.enable()
         fast.append(_time_cold(op, builder, mesh, size + 16))
     fast_propagation.disable()
-    return statistics.median(full) * 1e3, statistics.median(fast) * 1e3
+    return min(full) * 1e3, min(fast) * 1e3
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="least number of full/fast pairs per cell")
+    parser.add_argument("--min-seconds", type=float, default=0.5, help="keep repeating cheap cells this long")
     parser.add_argument("--meshes", nargs="+", default=["4", "2x2", "2x2x2", "2x2x2x2"])
     parser.add_argument("--ops", nargs="*", help="case names to run (default: all)")
     args = parser.parse_args(argv)
@@ -190,10 +201,10 @@ def main(argv=None) -> int:
         with simulated_mesh(shape) as mesh:
             for name in names:
                 op, builder = cases[name]
-                results[name].append(_measure(mesh, op, builder, args.repeats))
+                results[name].append(_measure(mesh, op, builder, args.repeats, args.min_seconds))
     mesh_labels = ["x".join(map(str, m)) for m in meshes]
     header = f"{'op':16} {'rule':11} " + " ".join(f"{label + ' full/fast ms (x)':>32}" for label in mesh_labels)
-    print(f"cold propagation, median of {args.repeats}, torch {_compat.TORCH_VERSION}")
+    print(f"cold propagation in ms, best of >= {args.repeats} runs (new shapes each), torch {_compat.TORCH_VERSION}")
     print(header)
     for name in names:
         kind = _compat.torch_strategy_kind(cases[name][0]) or "-"
