@@ -1,18 +1,18 @@
 """Fast sharding propagation: DTensor's cheapest N-D strategy for a single-dim rule, without enumerating S^N.
 
 torch expands a single-dim rule (S rows for one mesh dim) to an N-D mesh by pricing all S^N combinations of rows,
-which costs about a second per op on a 4-D mesh. The price of a combination is a sum over inputs of
-``redistribute_cost(source, target)``, and it has an admissible bound that splits per mesh dim: on a mesh dim
-where an input's target differs from a source that is Shard or Partial, the redistribution plan must take at
-least one collective step out of that source placement, and every such step costs at least an all-gather's
-latency plus the bandwidth of the smallest possible shard on that mesh dim. Combinations are visited in order of
-increasing bound (a k-best walk over per-mesh-dim sorted rows), priced exactly with torch's own cost function
-(memoized per input and target), and the walk stops once the bound reaches the best price found: nothing
-unvisited can be cheaper. The result has exactly the minimum cost the full expansion finds.
+about a second per op on a 4-D mesh. The price of a combination is a sum over inputs of torch's
+``redistribute_cost(source, target)``, and it has a lower bound that splits per mesh dim: where an input's target
+differs from a Shard or Partial source on a mesh dim, every plan takes a first collective step out of that
+source there, which costs at least that collective at the fewest bytes the input can hold at that moment
+(:class:`_LeaveBound`). Combinations are visited in order of increasing bound (a k-best walk over per-mesh-dim
+sorted rows), priced with torch's own cost function (once per input and target), and the walk stops when the
+bound reaches the best price found: nothing unvisited is cheaper. The chosen strategy's cost is the full
+expansion's minimum (to float rounding, 2e-12 relative); among equal-cost strategies the pick may differ.
 
 Where an assumption of that argument cannot be checked (strided shards, symbolic shapes, tensors inside lists or
-passed as keywords, arguments on other meshes, ranks outside the mesh, foreach ops) the call goes to torch's full
-expansion unchanged, as it does when no valid combination is found.
+passed as keywords, arguments on other meshes, ranks outside the mesh, foreach ops, rows with unplaced inputs)
+the call goes to torch's full expansion unchanged, as it does when no finite-cost combination is found.
 """
 
 from __future__ import annotations
@@ -138,6 +138,8 @@ def min_cost_strategy(mesh, op_schema, strategy_info, output_tensor_meta) -> OpS
         return None
     if any(p is None for row in rows for p in row[num_outputs:]):
         return None  # inputs without a spec: torch's bookkeeping for them is not modelled here
+    if any(isinstance(p, _compat.StridedShard) for row in rows for p in row):
+        return None  # strided targets send torch's pricing to its graph planner, which the bound does not model
     for pos in range(num_outputs):
         if len({row[pos] is None for row in rows}) > 1:
             return None
