@@ -18,7 +18,7 @@ from dtensor_ext.testing.layout import place
 
 aten = torch.ops.aten
 
-# op, input shapes as a function of sizes (m, k, n, b), the single-device reference
+# op and its input shapes as a function of sizes (m, k, n, b); the op on plain tensors is the reference
 OPS = {
     "mm": (aten.mm.default, lambda m, k, n, b: [(m, k), (k, n)]),
     "addmm": (aten.addmm.default, lambda m, k, n, b: [(n,), (m, k), (k, n)]),
@@ -128,6 +128,7 @@ def test_in_place_op_keeps_self_and_matches_full_expansion():
     a, b = _tensors([(6, 4), (6, 4)], seed=1)
     expected = a + b
     recorder = CostRecorder()
+    previous = _compat.single_dim_expansion()
     with simulated_mesh((2, 2)) as mesh:
         _compat.set_single_dim_expansion(recorder)
         try:
@@ -136,7 +137,7 @@ def test_in_place_op_keeps_self_and_matches_full_expansion():
             da.add_(db)
             result = da.full_tensor()
         finally:
-            _compat.set_single_dim_expansion(_compat.full_single_dim_expansion)
+            _compat.set_single_dim_expansion(previous)
     assert da.placements == (Shard(0), Shard(1))
     assert [r[1] for r in recorder.records] == pytest.approx([r[2] for r in recorder.records], rel=1e-9)
     torch.testing.assert_close(result, expected)
@@ -173,25 +174,31 @@ def test_strided_shard_input_falls_back_to_full_expansion(monkeypatch):
 
 
 def test_enable_disable_restore_torch_exactly_and_clear_caches(monkeypatch):
+    was_enabled = fast_propagation.is_enabled()  # the suite may run with fast propagation on
+    fast_propagation.disable()
     cleared = []
     monkeypatch.setattr(_compat, "clear_sharding_caches", lambda: cleared.append(True))
-    original = _compat.single_dim_expansion()
-    assert original is _compat.full_single_dim_expansion
-    with fast_propagation.fast_propagation():
-        assert fast_propagation.is_enabled()
-        with fast_propagation.fast_propagation():  # nested: stays on, and the outer block still owns disabling
+    try:
+        original = _compat.single_dim_expansion()
+        assert original is _compat.full_single_dim_expansion
+        with fast_propagation.fast_propagation():
             assert fast_propagation.is_enabled()
-        assert fast_propagation.is_enabled()
-    assert _compat.single_dim_expansion() is original
-    assert not fast_propagation.is_enabled()
-    assert len(cleared) == 2
+            with fast_propagation.fast_propagation():  # nested: stays on, and the outer block still owns disabling
+                assert fast_propagation.is_enabled()
+            assert fast_propagation.is_enabled()
+        assert _compat.single_dim_expansion() is original
+        assert not fast_propagation.is_enabled()
+        assert len(cleared) == 2
 
-    fast_propagation.enable()
-    fast_propagation.enable()
-    fast_propagation.disable()
-    fast_propagation.disable()
-    assert _compat.single_dim_expansion() is original
-    assert len(cleared) == 4
+        fast_propagation.enable()
+        fast_propagation.enable()
+        fast_propagation.disable()
+        fast_propagation.disable()
+        assert _compat.single_dim_expansion() is original
+        assert len(cleared) == 4
+    finally:
+        if was_enabled:
+            fast_propagation.enable()
 
 
 def _bound_and_cost(mesh_shape, shape, source_placements, target_placements) -> tuple[float, float]:
