@@ -126,10 +126,9 @@ def _symbolic(meta: TensorMeta) -> bool:
 
 
 def min_cost_strategy(mesh, op_schema, strategy_info, output_tensor_meta) -> OpStrategy | None:
-    """The cheapest combination as a one-entry OpStrategy, or None where the full expansion must decide.
-
-    The caller has checked :func:`_search_applies`.
-    """
+    """The cheapest combination as a one-entry OpStrategy, or None where the full expansion must decide."""
+    if not _search_applies(mesh, op_schema, strategy_info, output_tensor_meta):
+        return None
     prepared = _compat.PreparedSingleDimStrategy(strategy_info, op_schema, output_tensor_meta)
     sources = [s.strategies[0].output_spec for s in op_schema.args_strategy]
     rows = prepared.expanded_strategies
