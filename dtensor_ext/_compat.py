@@ -194,7 +194,13 @@ def fill_placeholders(row: Sequence[Any], shard_type: Callable[[int], Placement]
 
 # --- Expansion of single-dim rules to the N-D mesh (fast propagation swaps it) ---
 from torch.distributed.tensor import _sharding_prop as _sharding_prop_module  # noqa: E402
-from torch.distributed.tensor._collective_utils import MeshTopoInfo, redistribute_cost  # noqa: E402,F401
+from torch.distributed.tensor._collective_utils import (  # noqa: E402,F401
+    MeshTopoInfo,
+    allgather_cost,
+    allreduce_cost,
+    redistribute_cost,
+    reduce_scatter_cost,
+)
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy  # noqa: E402,F401
 from torch.distributed.tensor._ops.utils import is_tensor_shardable  # noqa: E402,F401
 
@@ -227,4 +233,8 @@ def greedy_redistribution_planned(source: DTensorSpec) -> bool:
     return not getattr(_redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", True) and (
         DTensorSpec.is_default_device_order(source.shard_order)
     )
-from torch.distributed.tensor._collective_utils import allgather_cost, allreduce_cost, reduce_scatter_cost  # noqa: E402,F401,I001
+
+
+def rank_in_mesh(mesh) -> bool:
+    """Whether this process is one of `mesh`'s ranks (torch prices every redistribution 0 elsewhere)."""
+    return mesh._is_current_rank_part_of_mesh()

@@ -87,7 +87,7 @@ def _search_applies(mesh, op_schema, strategy_info, output_tensor_meta) -> bool:
     """True where every assumption of the bound holds; otherwise torch's full expansion decides."""
     if getattr(strategy_info, "different_mesh_args", None):
         return False
-    if not mesh._is_current_rank_part_of_mesh():
+    if not _compat.rank_in_mesh(mesh):
         return False  # torch prices every redistribution 0 there; the bound would not hold
     if any(_holds_tensor(v) for v in op_schema.kwargs_schema.values()):
         return False
