@@ -301,3 +301,51 @@ def compare_operator(*args, **kwargs):
     from torch.distributed.tensor._ops.strategy_validation import compare_operator as validate
 
     return validate(*args, **kwargs)
+
+
+# --- Expansion of single-dim rules to the N-D mesh (fast propagation swaps it) ---
+from torch.distributed.tensor import _sharding_prop as _sharding_prop_module  # noqa: E402
+from torch.distributed.tensor._collective_utils import (  # noqa: E402,F401
+    MeshTopoInfo,
+    allgather_cost,
+    allreduce_cost,
+    redistribute_cost,
+    reduce_scatter_cost,
+)
+from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy  # noqa: E402,F401
+from torch.distributed.tensor._ops.utils import is_tensor_shardable  # noqa: E402,F401
+
+PreparedSingleDimStrategy = _sds._PreparedSingleDimStrategy
+# torch's own N-D expansion, captured at import so that it can always be called and put back
+full_single_dim_expansion = _sds._expand_single_dim_strategy_to_mesh
+
+
+def single_dim_expansion() -> Callable:
+    """The expansion function the propagator calls now."""
+    return _sharding_prop_module._expand_single_dim_strategy_to_mesh
+
+
+def set_single_dim_expansion(expand: Callable) -> None:
+    """Make the propagator expand single-dim rules with `expand` (same signature as torch's); clears both caches."""
+    _sharding_prop_module._expand_single_dim_strategy_to_mesh = expand
+    clear_sharding_caches()
+
+
+def propagate_cold(schema: OpSchema):
+    """Sharding propagation for `schema` bypassing both caches (what a never-seen op signature pays)."""
+    return propagator().propagate_op_sharding_non_cached(schema)
+
+
+def greedy_redistribution_planned(source: DTensorSpec) -> bool:
+    """True where torch prices a move away from `source` (to placements in default order, no strided shards) with
+    its greedy planner: mesh dims right to left, then left to right. Fast propagation's tighter bound relies on it."""
+    from torch.distributed.tensor import _redistribute
+
+    return not getattr(_redistribute, "_FORCE_MIN_COST_REDISTRIBUTION_PLAN", True) and (
+        DTensorSpec.is_default_device_order(source.shard_order)
+    )
+
+
+def rank_in_mesh(mesh) -> bool:
+    """Whether this process is one of `mesh`'s ranks (torch prices every redistribution 0 elsewhere)."""
+    return mesh._is_current_rank_part_of_mesh()

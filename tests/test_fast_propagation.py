@@ -1,0 +1,231 @@
+"""Fast propagation picks a strategy of the full expansion's minimum cost, and ops run correctly with it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor
+
+import dtensor_ext  # noqa: F401  (installs our rules: mv, addbmm)
+from dtensor_ext import _compat, fast_propagation
+from dtensor_ext._compat import LocalTensor, Partial, Replicate, Shard, StridedShard
+from dtensor_ext.testing import rank_coordinates, simulated_mesh
+from dtensor_ext.testing.layout import place
+
+aten = torch.ops.aten
+
+# op and its input shapes as a function of sizes (m, k, n, b); the op on plain tensors is the reference
+OPS = {
+    "mm": (aten.mm.default, lambda m, k, n, b: [(m, k), (k, n)]),
+    "addmm": (aten.addmm.default, lambda m, k, n, b: [(n,), (m, k), (k, n)]),
+    "bmm": (aten.bmm.default, lambda m, k, n, b: [(b, m, k), (b, k, n)]),
+    "add": (aten.add.Tensor, lambda m, k, n, b: [(m, n), (m, n)]),
+    "mul": (aten.mul.Tensor, lambda m, k, n, b: [(m, n), (1, n)]),
+    "mv (ours)": (aten.mv.default, lambda m, k, n, b: [(m, k), (k,)]),
+    "addbmm (ours)": (aten.addbmm.default, lambda m, k, n, b: [(m, n), (b, m, k), (b, k, n)]),
+}
+
+
+class CostRecorder:
+    """An expansion that runs torch's full expansion and the fast search side by side and returns the fast one."""
+
+    def __init__(self):
+        self.records: list[tuple[str, float, float]] = []
+
+    def __call__(self, mesh, op_schema, strategy_info, output_tensor_meta):
+        full = _compat.full_single_dim_expansion(mesh, op_schema, strategy_info, output_tensor_meta)
+        fast = fast_propagation.expand_single_dim_strategy(mesh, op_schema, strategy_info, output_tensor_meta)
+
+        def expanded(op, args_schema, kwargs_schema):
+            full_min = min(_total(spec) for spec in full(op, args_schema, kwargs_schema).strategies)
+            chosen = fast(op, args_schema, kwargs_schema)
+            assert len(chosen.strategies) == 1, f"{op}: fast propagation returned {len(chosen.strategies)} strategies"
+            self.records.append((str(op), full_min, _total(chosen.strategies[0])))
+            return chosen
+
+        return expanded
+
+
+def _total(op_spec) -> float:
+    return sum(c for per_input in op_spec.redistribute_cost for c in per_input)
+
+
+def _dtensor(tensor, mesh, placements, salt):
+    """A DTensor whose ranks hold `tensor` under `placements`, Partial included (built from per-rank pieces)."""
+    pieces = place(tensor, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=salt)
+    return DTensor.from_local(
+        LocalTensor(pieces), mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
+
+
+def _placement_options(ndim: int):
+    return st.one_of(st.just(Replicate()), st.integers(0, ndim - 1).map(Shard), st.just(Partial("sum")))
+
+
+def _run_and_compare(op, tensors, placements, mesh_shape):
+    expected = op(*tensors)
+    recorder = CostRecorder()
+    with simulated_mesh(mesh_shape) as mesh:
+        previous = _compat.single_dim_expansion()
+        _compat.set_single_dim_expansion(recorder)
+        try:
+            args = [_dtensor(t, mesh, ps, salt=i) for i, (t, ps) in enumerate(zip(tensors, placements))]
+            result = op(*args).full_tensor()
+        finally:
+            _compat.set_single_dim_expansion(previous)
+    assert recorder.records, f"{op} did not go through a single-dim expansion"
+    for name, full_min, fast_cost in recorder.records:
+        assert math.isclose(fast_cost, full_min, rel_tol=1e-9, abs_tol=1e-12), (
+            f"{name} on mesh {mesh_shape} with inputs {placements}: fast propagation chose cost {fast_cost}, "
+            f"the full expansion's minimum is {full_min}"
+        )
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
+
+
+@st.composite
+def op_examples(draw, mesh_shapes):
+    name = draw(st.sampled_from(sorted(OPS)))
+    op, shapes_of = OPS[name]
+    sizes = draw(st.tuples(*(st.integers(1, 9) for _ in range(4))))
+    shapes = shapes_of(*sizes)
+    mesh_shape = draw(st.sampled_from(mesh_shapes))
+    placements = [
+        tuple(draw(_placement_options(len(shape))) for _ in mesh_shape) for shape in shapes
+    ]
+    seed = draw(st.integers(0, 2**16))
+    return op, shapes, mesh_shape, placements, seed
+
+
+def _tensors(shapes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
+
+
+@given(op_examples([(2,), (4,), (2, 2), (2, 2, 2)]))
+def test_min_cost_and_correct_output_on_1d_to_3d_meshes(example):
+    op, shapes, mesh_shape, placements, seed = example
+    _run_and_compare(op, _tensors(shapes, seed), placements, mesh_shape)
+
+
+@pytest.mark.parametrize(
+    "name, placements",
+    [
+        ("mm", [(Shard(0), Replicate(), Shard(1), Partial()), (Shard(1), Shard(0), Replicate(), Partial())]),
+        ("add", [(Shard(0), Shard(1), Replicate(), Shard(0)), (Shard(1), Partial(), Shard(0), Replicate())]),
+        ("addbmm (ours)", [(Replicate(),) * 4, (Shard(0), Shard(2), Replicate(), Shard(1)), (Shard(0),) * 4]),
+    ],
+)
+def test_min_cost_and_correct_output_on_4d_mesh(name, placements):
+    op, shapes_of = OPS[name]
+    _run_and_compare(op, _tensors(shapes_of(8, 6, 4, 4), seed=0), placements, (2, 2, 2, 2))
+
+
+def test_in_place_op_keeps_self_and_matches_full_expansion():
+    a, b = _tensors([(6, 4), (6, 4)], seed=1)
+    expected = a + b
+    recorder = CostRecorder()
+    previous = _compat.single_dim_expansion()
+    with simulated_mesh((2, 2)) as mesh:
+        _compat.set_single_dim_expansion(recorder)
+        try:
+            da = _dtensor(a, mesh, (Shard(0), Shard(1)), salt=0)
+            db = _dtensor(b, mesh, (Shard(1), Replicate()), salt=1)
+            da.add_(db)
+            result = da.full_tensor()
+        finally:
+            _compat.set_single_dim_expansion(previous)
+    assert da.placements == (Shard(0), Shard(1))
+    assert [r[1] for r in recorder.records] == pytest.approx([r[2] for r in recorder.records], rel=1e-9)
+    torch.testing.assert_close(result, expected)
+
+
+def test_strided_shard_input_falls_back_to_full_expansion(monkeypatch):
+    calls = []
+    full = _compat.full_single_dim_expansion
+
+    def spy(*args):
+        calls.append(args[1].op)
+        return full(*args)
+
+    monkeypatch.setattr(_compat, "full_single_dim_expansion", spy)
+    a, b = _tensors([(8, 4), (4, 4)], seed=2)
+    with simulated_mesh((2, 2)) as mesh, fast_propagation.fast_propagation():
+        placements = (StridedShard(0, split_factor=2), Shard(0))
+        da = DTensor.from_local(
+            LocalTensor(place(a, (Replicate(), Replicate()), (2, 2), rank_coordinates(mesh))),
+            mesh,
+            (Replicate(), Replicate()),
+            run_check=False,
+        ).redistribute(mesh, placements)
+        db = DTensor.from_local(
+            LocalTensor(place(b, (Replicate(), Replicate()), (2, 2), rank_coordinates(mesh))),
+            mesh,
+            (Replicate(), Replicate()),
+            run_check=False,
+        )
+        calls.clear()
+        result = torch.mm(da, db).full_tensor()
+    assert calls == [aten.mm.default]
+    torch.testing.assert_close(result, a @ b)
+
+
+def test_enable_disable_restore_torch_exactly_and_clear_caches(monkeypatch):
+    was_enabled = fast_propagation.is_enabled()  # the suite may run with fast propagation on
+    fast_propagation.disable()
+    cleared = []
+    monkeypatch.setattr(_compat, "clear_sharding_caches", lambda: cleared.append(True))
+    try:
+        original = _compat.single_dim_expansion()
+        assert original is _compat.full_single_dim_expansion
+        with fast_propagation.fast_propagation():
+            assert fast_propagation.is_enabled()
+            with fast_propagation.fast_propagation():  # nested: stays on, and the outer block still owns disabling
+                assert fast_propagation.is_enabled()
+            assert fast_propagation.is_enabled()
+        assert _compat.single_dim_expansion() is original
+        assert not fast_propagation.is_enabled()
+        assert len(cleared) == 2
+
+        fast_propagation.enable()
+        fast_propagation.enable()
+        fast_propagation.disable()
+        fast_propagation.disable()
+        assert _compat.single_dim_expansion() is original
+        assert len(cleared) == 4
+    finally:
+        if was_enabled:
+            fast_propagation.enable()
+
+
+def _bound_and_cost(mesh_shape, shape, source_placements, target_placements) -> tuple[float, float]:
+    meta = _compat.tensor_meta(torch.empty(shape))
+    with simulated_mesh(mesh_shape) as mesh:
+        source = _compat.DTensorSpec(mesh, source_placements, tensor_meta=meta)
+        target = _compat.DTensorSpec(mesh, target_placements, tensor_meta=meta)
+        topo = _compat.MeshTopoInfo.build_from_mesh(mesh)
+        bound = fast_propagation._LeaveBound(mesh, topo, source, frozenset(range(len(shape))))
+        lower = sum(bound.leave(dim, p) for dim, p in enumerate(target_placements))
+        return lower, _compat.redistribute_cost(source, target)
+
+
+@given(
+    mesh_shape=st.sampled_from([(4,), (2, 3), (2, 2, 2), (2, 2, 2, 2)]),
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
+    data=st.data(),
+)
+def test_bound_never_exceeds_torchs_redistribute_cost(mesh_shape, shape, data):
+    """The lemma the search rests on: per mesh dim, leaving a source costs at least the bound, whatever the target."""
+    source = tuple(data.draw(_placement_options(len(shape))) for _ in mesh_shape)
+    target = tuple(data.draw(_placement_options(len(shape))) for _ in mesh_shape)
+    lower, cost = _bound_and_cost(mesh_shape, shape, source, target)
+    assert lower <= cost * (1 + 1e-12), f"{source} -> {target}: bound {lower} > cost {cost}"
+
+
+def test_bound_allows_greedy_detour_through_replicate():
+    """(S1, S0) -> (R, S1): greedy gathers mesh dim 1 instead of an all-to-all, since dim 1 nests under mesh dim 0."""
+    lower, cost = _bound_and_cost((2, 3), (4, 4), (Shard(1), Shard(0)), (Replicate(), Shard(1)))
+    assert lower <= cost * (1 + 1e-12)
