@@ -4,9 +4,12 @@ Importing the package installs its rules for the ops the running torch cannot sh
 shards is touched unless ``install(upgrade=...)`` asks for it.
 """
 
+import os
+
 from dtensor_ext.registry import RegistryEntry, install, is_installed, registry, single_dim_rule, uninstall
 
 __all__ = ["RegistryEntry", "install", "is_installed", "registry", "single_dim_rule", "uninstall"]
 __version__ = "0.1.0"
 
-install()
+# DTENSOR_EXT_FAST_PROPAGATION=1 turns fast propagation on from the start (e.g. to run a test suite with it).
+install(fast_propagation=True if os.environ.get("DTENSOR_EXT_FAST_PROPAGATION") == "1" else None)

@@ -215,6 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=None, help="tensor-parallel ranks of a 1-D mesh (default 4)")
     parser.add_argument("--mesh", type=str, default=None, help="mesh shape: 'tp' or 'dp,tp', e.g. 4 or 2,2")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fast-propagation", action="store_true", help="expand single-dim rules with dtensor_ext's search"
+    )
 
 
 def parse_mesh(args: argparse.Namespace) -> tuple[int, ...]:
@@ -230,6 +233,8 @@ def parse_mesh(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fast_propagation:
+        dtensor_ext.install(fast_propagation=True)
     try:
         result = run_demo(parse_mesh(args), seed=args.seed)
     except ValueError as e:

@@ -15,6 +15,7 @@ import torch
 from torch._ops import OpOverload
 
 from dtensor_ext import _compat
+from dtensor_ext import fast_propagation as _fast_propagation
 
 __all__ = ["RuleSpec", "RegistryEntry", "single_dim_rule", "install", "uninstall", "registry", "is_installed"]
 
@@ -119,13 +120,19 @@ def _wants_upgrade(spec: RuleSpec, upgrade: bool | Iterable[str]) -> bool:
     return spec.op_name in {_op_name(o) for o in (upgrade or ())}
 
 
-def install(*, upgrade: bool | Iterable[str] = False) -> list[RegistryEntry]:
+def install(
+    *, upgrade: bool | Iterable[str] = False, fast_propagation: bool | None = None
+) -> list[RegistryEntry]:
     """Register our rules for ops torch cannot shard; with `upgrade`, also replace proven-subset torch rules.
 
-    Installing again with the same options changes nothing; with other options it reinstalls.
+    fast_propagation: True swaps DTensor's full N-D expansion of single-dim rules for our search that finds the
+    same minimum cost without enumerating every combination; False puts torch's back; None leaves it as it is.
+    Installing again with the same options changes nothing; with other upgrade options it reinstalls.
     """
     global _state
     _load_rule_modules()
+    if fast_propagation is not None:
+        (_fast_propagation.enable if fast_propagation else _fast_propagation.disable)()
     for op_name in _normalized_upgrade_names(upgrade):
         spec = _SPECS.get(op_name)
         if spec is None or not spec.superset_of_torch:
@@ -184,8 +191,12 @@ def install(*, upgrade: bool | Iterable[str] = False) -> list[RegistryEntry]:
 
 
 def uninstall() -> None:
-    """Put back every registration install() touched, exactly as it was, and clear both caches."""
+    """Put back every registration install() touched, exactly as it was, and clear both caches.
+
+    Also puts back torch's N-D expansion if fast propagation was on.
+    """
     global _state
+    _fast_propagation.disable()
     if _state is None:
         return
     prop = _compat.propagator()

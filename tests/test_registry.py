@@ -107,3 +107,19 @@ def test_import_in_fresh_interpreter_registers_once():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip()) > 0
+
+
+def test_fast_propagation_is_switched_by_install_and_undone_by_uninstall():
+    from dtensor_ext import fast_propagation
+
+    torch_expansion = _compat.single_dim_expansion()
+    dtensor_ext.install(fast_propagation=True)
+    try:
+        assert fast_propagation.is_enabled()
+        dtensor_ext.install()  # None: leaves the choice alone
+        assert fast_propagation.is_enabled()
+    finally:
+        dtensor_ext.uninstall()
+        dtensor_ext.install()
+    assert not fast_propagation.is_enabled()
+    assert _compat.single_dim_expansion() is torch_expansion
