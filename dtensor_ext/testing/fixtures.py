@@ -7,28 +7,20 @@ import pytest
 from dtensor_ext.testing.mesh import MESH_SHAPES, simulated_mesh
 
 
-@pytest.fixture
-def mesh_1d2():
-    with simulated_mesh(MESH_SHAPES["1d2"]) as mesh:
-        yield mesh
+def _mesh_fixture(key: str):
+    @pytest.fixture(name=f"mesh_{key}")
+    def mesh_fixture():
+        with simulated_mesh(MESH_SHAPES[key]) as mesh:
+            yield mesh
+
+    mesh_fixture.__doc__ = f"A simulated mesh of shape {MESH_SHAPES[key]}."
+    return mesh_fixture
 
 
-@pytest.fixture
-def mesh_1d4():
-    with simulated_mesh(MESH_SHAPES["1d4"]) as mesh:
-        yield mesh
-
-
-@pytest.fixture
-def mesh_2d():
-    with simulated_mesh(MESH_SHAPES["2d"]) as mesh:
-        yield mesh
-
-
-@pytest.fixture
-def mesh_3d():
-    with simulated_mesh(MESH_SHAPES["3d"]) as mesh:
-        yield mesh
+mesh_1d2 = _mesh_fixture("1d2")
+mesh_1d4 = _mesh_fixture("1d4")
+mesh_2d = _mesh_fixture("2d")
+mesh_3d = _mesh_fixture("3d")
 
 
 @pytest.fixture(params=list(MESH_SHAPES), ids=list(MESH_SHAPES))
