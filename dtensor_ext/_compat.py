@@ -190,3 +190,25 @@ def is_placeholder(p: object) -> bool:
 
 def fill_placeholders(row: Sequence[Any], shard_type: Callable[[int], Placement] = Shard) -> list[Any]:
     return [shard_type(p.dim) if is_placeholder(p) else p for p in row]
+
+
+def dtensor_collective_costs():
+    """torch's own cost formulas for collectives (microseconds) and its topology record, for comparison."""
+    from torch.distributed.tensor import _collective_utils as cu
+
+    return cu.MeshTopoInfo, {"all_gather": cu.allgather_cost, "all_reduce": cu.allreduce_cost,
+                             "reduce_scatter": cu.reduce_scatter_cost}
+
+
+def enabled_local_tensor_mode():
+    """The active LocalTensorMode (simulated ranks) or None in a real multi-process run."""
+    from torch.distributed._local_tensor import enabled_local_tensor_mode as enabled
+
+    return enabled()
+
+
+def local_int(values: dict[int, int]):
+    """One int per simulated rank, as a SymInt collectives and views accept."""
+    from torch.distributed._local_tensor import LocalIntNode
+
+    return torch.SymInt(LocalIntNode(values))
