@@ -112,6 +112,8 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective) -> list[
     weight = builder.cost.min_beta if objective == "time" else 1.0
 
     def heuristic(state) -> float:
+        if any(isinstance(q, Partial) and q != p and not isinstance(p, Replicate) for p, q in zip(state, dst)):
+            return 0.0  # the target's Partial needs a Replicate first; no cheap bound from here
         bound = lower_bound(builder.shape, builder.mesh_shape, state, dst, dtype=_dtype_of(builder.itemsize))
         return bound.max_recv_bytes * weight
 
