@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dtensor_ext.demo", "tensor-parallel transformer block on a simulated mesh vs one device"),
     "coverage": ("dtensor_ext.coverage", "the rule registry per family (text or JSON)"),
+    "plan": ("dtensor_ext.redistribute.cli", "redistribution plans (naive, DTensor, optimal) vs the lower bound"),
 }
 
 

@@ -82,8 +82,11 @@ class StepBuilder:
             else:
                 kind = "all_to_all"
             n = self._group_size(mesh_dims)
-            ring_bytes = most if kind == "permute" else -(-most * n // (n - 1))
-            time_s = self.cost.collective_time(kind, mesh_dims, ring_bytes)
+            peers = max(map(len, peers_in))
+            if kind != "permute" and peers == n - 1:
+                time_s = self.cost.collective_time(kind, mesh_dims, -(-most * n // (n - 1)))
+            else:  # fewer partners than a ring: one pairwise round per partner
+                time_s = peers * self.cost.collective_time("permute", mesh_dims, -(-most // peers))
         return Step(kind, mesh_dims, a, b, tuple(recv), self.buffer_bytes(b), time_s, tuple(transfers))
 
     def _distance(self, r: int, s: int) -> int:
