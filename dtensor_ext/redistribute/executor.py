@@ -8,6 +8,7 @@ the wire are exactly the plan's. Reductions run on the mesh dim's process group 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,30 +41,35 @@ def _rank_ints(values: list[int]):
     return local_int({r: values[r] for r in mode.ranks})
 
 
-def _positions(held, wanted) -> list[torch.Tensor]:
-    """Per dim: where the `wanted` global indices sit inside a local tensor holding `held`."""
+def _positions(held, wanted) -> list[slice | torch.Tensor]:
+    """Per dim: where the `wanted` global indices sit inside a local tensor holding `held` (a slice if contiguous)."""
     out = []
     for held_dim, wanted_dim in zip(held, wanted):
-        index, base = [], 0
+        ranges, base = [], 0
         for a, b in held_dim:
             for lo, hi in wanted_dim:
                 if lo < b and hi > a:
-                    index.append(torch.arange(max(lo, a) - a + base, min(hi, b) - a + base))
+                    ranges.append((max(lo, a) - a + base, min(hi, b) - a + base))
             base += b - a
-        out.append(torch.cat(index) if index else torch.zeros(0, dtype=torch.long))
+        if len(ranges) <= 1:
+            out.append(slice(*ranges[0]) if ranges else slice(0, 0))
+        else:
+            out.append(torch.cat([torch.arange(lo, hi) for lo, hi in ranges]))
     return out
 
 
 def _select(t: torch.Tensor, positions) -> torch.Tensor:
     for dim, index in enumerate(positions):
-        if index.numel() != t.size(dim) or not torch.equal(index, torch.arange(t.size(dim))):
-            t = t.index_select(dim, index)
+        t = t[(slice(None),) * dim + (index,)] if isinstance(index, slice) else t.index_select(dim, index)
     return t
 
 
 def _assign(out: torch.Tensor, positions, value: torch.Tensor) -> None:
-    grid = torch.meshgrid(*positions, indexing="ij") if positions else ()
-    out[grid] = value
+    if all(isinstance(p, slice) for p in positions):
+        out[tuple(positions)] = value
+        return
+    as_index = [torch.arange(p.start, p.stop) if isinstance(p, slice) else p for p in positions]
+    out[torch.meshgrid(*as_index, indexing="ij")] = value
 
 
 def _check_mesh(mesh, plan: Plan) -> None:
@@ -175,14 +181,20 @@ def execute(tensor: DTensor, plan: Plan) -> DTensor:
     return DTensor.from_local(local, mesh, plan.dst, run_check=False, shape=tensor.shape, stride=tensor.stride())
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_plan(shape, mesh_shape, src, dst, dtype, options) -> Plan:
+    """Planning is pure in its arguments; a training loop redistributes the same way every step."""
+    from dtensor_ext.redistribute.planners import plan
+
+    return plan(shape, mesh_shape, src, dst, dtype=dtype, **dict(options))
+
+
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: DTensor, placements, options):
-        from dtensor_ext.redistribute.planners import plan
-
         ctx.source, ctx.options = tuple(tensor.placements), options
-        chosen = plan(tensor.shape, tensor.device_mesh, tensor.placements, placements, dtype=tensor.dtype, **options)
-        return execute(tensor, chosen)
+        key = (tuple(tensor.shape), tuple(tensor.device_mesh.shape), ctx.source, placements, tensor.dtype)
+        return execute(tensor, _cached_plan(*key, tuple(sorted(options.items()))))
 
     @staticmethod
     def backward(ctx, grad: DTensor):
