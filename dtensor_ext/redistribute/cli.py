@@ -8,7 +8,8 @@ import torch
 
 from dtensor_ext.redistribute.lower_bound import lower_bound
 from dtensor_ext.redistribute.placements import parse_ints, parse_placements
-from dtensor_ext.redistribute.planners import PLANNERS, plan
+from dtensor_ext.redistribute.picture import plan_svg
+from dtensor_ext.redistribute.planners import OBJECTIVES, PLANNERS, plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
     parser.add_argument("--max-peak-bytes", type=int, default=None, help="cap on any rank's local buffer")
     parser.add_argument("--planners", default=",".join(PLANNERS), help=f"subset of {','.join(PLANNERS)}")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="time", help="what the optimal planner minimises")
+    parser.add_argument(
+        "--svg", default=None, help="write each plan's per-rank layouts to PREFIX-<planner>.svg (naive, optimal)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,8 +35,15 @@ def run(args: argparse.Namespace) -> int:
     bound = lower_bound(shape, mesh, src, dst, dtype)
     print(bound)
     for name in args.planners.split(","):
-        chosen = plan(shape, mesh, src, dst, dtype=dtype, planner=name, max_peak_bytes=args.max_peak_bytes)
+        chosen = plan(
+            shape, mesh, src, dst, dtype=dtype, planner=name, max_peak_bytes=args.max_peak_bytes, objective=args.objective
+        )
         print(chosen)
+        if args.svg and name != "dtensor":  # torch's steps are recorded collectives, not layouts
+            path = f"{args.svg}-{name}.svg"
+            with open(path, "w") as f:
+                f.write(plan_svg(chosen))
+            print(f"  picture: {path}")
         ratio = chosen.max_recv_bytes / bound.max_recv_bytes if bound.max_recv_bytes else float("nan")
         print(f"  vs lower bound: recv x{ratio:.2f}, peak x{chosen.peak_bytes / bound.peak_bytes:.2f}\n")
     return 0

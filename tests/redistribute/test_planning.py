@@ -157,3 +157,23 @@ def test_cost_models_share_collective_time_and_calibrated_reads_the_autotune_fil
     assert torch_model.collective_time("all_to_all", (0,), 2**20) > torch_model.collective_time("all_gather", (0,), 2**20)
     slow = plan((64, 64), (2, 2), P("S0,S1"), P("S1,S0"), cost_model=calibrated)
     assert slow.time_s == pytest.approx(sum(s.time_s for s in slow.steps)) and slow.time_s > 0
+
+
+def test_cli_prints_the_three_planners_and_writes_pictures(tmp_path, capsys):
+    import xml.etree.ElementTree as ET
+
+    from dtensor_ext.__main__ import main
+
+    prefix = str(tmp_path / "plan")
+    args = ["plan", "--shape", "16,16", "--mesh", "2,2", "--src", "S0,S1", "--dst", "S1,S0", "--svg", prefix]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "naive plan" in out and "dtensor plan" in out and "optimal plan" in out
+    assert "vs lower bound: recv x1.00, peak x1.00" in out  # the optimal plan
+    svg = ET.parse(prefix + "-optimal.svg").getroot()
+    filled = [r for r in svg.iter("{http://www.w3.org/2000/svg}rect") if r.get("fill") != "white"]
+    assert len(filled) == 2 * 4  # source and after the permute, one block per rank
+    with pytest.raises(ValueError, match=r"--src 'S0,X', mesh dim 1: 'X' is not a placement"):
+        main(["plan", "--shape", "16,16", "--mesh", "2,2", "--src", "S0,X", "--dst", "S1,S0"])
+    with pytest.raises(ValueError, match=r"--mesh '2,x': expected comma-separated positive integers"):
+        main(["plan", "--shape", "16,16", "--mesh", "2,x", "--src", "S0", "--dst", "S1"])
