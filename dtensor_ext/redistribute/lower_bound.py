@@ -1,13 +1,15 @@
 """The least any plan can do: bytes each rank must receive and the smallest buffer it must hold.
 
 Without reductions a rank must receive every target element it does not already hold. Where Partial mesh dims
-must be reduced, merging k partial values of an element takes k-1 receives somewhere and every other rank that
-needs the result receives it once more; spread over all ranks that gives the ring all-reduce / reduce-scatter
-volume, and no rank can receive less than that average.
+must be reduced, the k partial values of an element must all flow into the first rank that forms its value: k-1
+receives if that rank holds a piece, k if not; every other rank that needs the value receives it once more. Over
+all ranks that gives the ring all-reduce / reduce-scatter volume (and more where no rank that needs an element
+holds a piece of it); no plan's busiest rank receives less than that average, nor less than what it needs.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dtensor_ext._compat import Partial, Placement, Replicate
-from dtensor_ext.redistribute.layout import Layout, count
+from dtensor_ext.redistribute.layout import Layout, coordinates, count
 from dtensor_ext.redistribute.placements import check_placements, format_placements
 
 __all__ = ["LowerBound", "lower_bound", "reduced_dims", "validate_request"]
@@ -61,6 +63,23 @@ def reduced_dims(src: Sequence[Placement], dst: Sequence[Placement], mesh_shape:
     )
 
 
+def _merge_receives(shape, mesh_shape, before: Layout, after: Layout, dst, pieces: int) -> int:
+    """Receives beyond one per needed element: k-1 merges per element, one fewer where a rank that needs the
+    element also holds one of its pieces (the merge can end there), counted per class of target Partial coordinates."""
+    kept = [j for j, p in enumerate(dst) if isinstance(p, Partial)]
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for rank, coord in enumerate(coordinates(mesh_shape)):
+        classes.setdefault(tuple(coord[j] for j in kept), []).append(rank)
+    total = 0
+    for members in classes.values():
+        holds_and_needs = torch.zeros(shape, dtype=torch.bool)
+        for rank in members:
+            for index in itertools.product(*after.overlap(rank, before, rank)):
+                holds_and_needs[tuple(slice(a, b) for a, b in index)] = True
+        total += math.prod(shape) * (pieces - 1) - int(holds_and_needs.sum())
+    return total
+
+
 def lower_bound(shape, mesh, src, dst, dtype: torch.dtype = torch.float32) -> LowerBound:
     mesh_shape = mesh_shape_of(mesh)
     shape, src, dst = validate_request(shape, mesh_shape, src, dst)
@@ -71,8 +90,7 @@ def lower_bound(shape, mesh, src, dst, dtype: torch.dtype = torch.float32) -> Lo
     if reduce:
         need = [after.local_numel(r) for r in range(world)]
         pieces = math.prod(mesh_shape[i] for i in reduce)
-        kept_classes = math.prod(mesh_shape[i] for i, p in enumerate(dst) if isinstance(p, Partial))
-        total = sum(need) + math.prod(shape) * kept_classes * (pieces - 2)
+        total = sum(need) + _merge_receives(shape, mesh_shape, before, after, dst, pieces)
     else:
         need = [after.local_numel(r) - count(after.overlap(r, before, r)) for r in range(world)]
         total = sum(need)

@@ -63,7 +63,7 @@ def test_lower_bound_numbers(mesh, src, dst, expected):
 # blocks costs 2x: reductions run on one mesh dim's group, the bound assumes a reduction fused with the move.
 CASES = [
     ((2, 2), "S0,S1", "S1,S0", 1),
-    ((2, 2), "P(sum),S0", "S0,S1", 2),
+    ((2, 2), "P(sum),S0", "S0,S1", 4 / 3),
     ((2, 2), "P(sum),P(sum)", "S1,S0", 1),
     ((2, 2, 2), "S0,S0,S0", "S1,S1,S1", 1),
     ((2, 2, 2), "P(sum),S0,S1", "S1,S0,R", 1.5),
