@@ -9,6 +9,7 @@ so the first plan popped is optimal within these moves. Steps whose buffer excee
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 
@@ -111,6 +112,7 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective) -> list[
                 )
     weight = builder.cost.min_beta if objective == "time" else 1.0
 
+    @functools.lru_cache(maxsize=None)
     def heuristic(state) -> float:
         if any(isinstance(q, Partial) and q != p and not isinstance(p, Replicate) for p, q in zip(state, dst)):
             return 0.0  # the target's Partial needs a Replicate first; no cheap bound from here

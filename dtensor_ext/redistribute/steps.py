@@ -96,10 +96,10 @@ class StepBuilder:
         b = _replace(a, mesh_dim, Replicate())
         n = self.mesh_shape[mesh_dim]
         layout = self.layout(a)
-        local = [layout.local_numel(r) * self.itemsize for r in range(self.world)]
-        recv = tuple(-(-2 * (n - 1) * m // n) for m in local)
-        time_s = self.cost.collective_time("all_reduce", (mesh_dim,), max(local))
-        return Step("all_reduce", (mesh_dim,), a, b, recv, max(local), time_s)
+        local = [layout.local_numel(r) for r in range(self.world)]
+        recv = tuple(-(-2 * (n - 1) * m // n) * self.itemsize for m in local)  # whole elements
+        largest = max(local) * self.itemsize
+        return Step("all_reduce", (mesh_dim,), a, b, recv, largest, self.cost.collective_time("all_reduce", (mesh_dim,), largest))
 
     def reduce_scatter(self, a: tuple[Placement, ...], mesh_dim: int, tensor_dim: int) -> Step | None:
         """Partial -> Shard(tensor_dim) on one mesh dim; None where inner mesh dims already shard that tensor dim."""

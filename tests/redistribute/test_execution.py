@@ -2,7 +2,6 @@ import math
 
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 from dtensor_ext._compat import Partial, Replicate, Shard, enabled_local_tensor_mode
@@ -10,7 +9,7 @@ from dtensor_ext.redistribute import parse_placements, plan, redistribute
 from dtensor_ext.redistribute.measure import CollectiveRecorder
 from dtensor_ext.testing import local_values, rank_coordinates, simulated_mesh
 from dtensor_ext.testing.layout import place, reassemble
-from dtensor_ext.testing.strategies import placements_for, shapes
+from tests.redistribute.strategies import execution_requests
 
 P = parse_placements
 
@@ -26,16 +25,7 @@ def _same(a: DTensor, b: DTensor) -> bool:
     return a.placements == b.placements and all(torch.allclose(x[r], y[r], atol=1e-5) for r in x)
 
 
-@st.composite
-def requests(draw):
-    mesh_shape = draw(st.sampled_from([(2,), (4,), (2, 2), (2, 2, 2)]))
-    shape = draw(shapes(min_dims=1, max_dims=3, max_size=7))
-    src = draw(placements_for(len(shape), len(mesh_shape), partial=("sum", "max")))
-    dst = draw(placements_for(len(shape), len(mesh_shape), partial=()))
-    return mesh_shape, shape, src, dst
-
-
-@given(requests())
+@given(execution_requests())
 def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request):
     mesh_shape, shape, src, dst = request
     t = torch.randn(shape)

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 from expecttest import assert_expected_inline
+from hypothesis import given
 
 from dtensor_ext._compat import Partial, Replicate, Shard
 from dtensor_ext.redistribute import (
@@ -15,6 +16,8 @@ from dtensor_ext.redistribute import (
     parse_placements,
     plan,
 )
+
+from tests.redistribute.strategies import execution_requests
 
 KiB = 1024
 P = parse_placements
@@ -53,6 +56,8 @@ def test_dtensor_planner_reproduces_the_issue_measurement():
         ((4,), "S0", "R", 3 * 64 * 4 // 4),
         ((2, 2), "S0,R", "S0,S0", 0),  # a local split
         ((2, 2), "R,S0", "S0,R", 4 * 8 * 4),  # off-diagonal ranks swap their halves
+        # quarters (0,1) and (1,0) are needed by ranks holding none of their pieces: 6 quarter receives over 4 ranks
+        ((2, 2), "P(sum),S0", "S0,S1", 6 * 64 // 4),
     ],
 )
 def test_lower_bound_numbers(mesh, src, dst, expected):
@@ -83,6 +88,19 @@ def test_optimal_never_worse_than_naive_or_dtensor_and_reaches_the_bound(mesh, s
         assert by_bytes.max_recv_bytes <= theirs.max_recv_bytes
         assert by_time.time_s <= theirs.time_s + 1e-12
     assert by_bytes.max_recv_bytes == ratio * bound.max_recv_bytes
+
+
+@given(execution_requests())
+def test_bytes_objective_never_worse_and_peak_cap_is_exact(request):
+    mesh_shape, shape, src, dst = request
+    bound = lower_bound(shape, mesh_shape, src, dst)
+    best = plan(shape, mesh_shape, src, dst, objective="bytes", max_peak_bytes=bound.peak_bytes)
+    assert best.peak_bytes <= bound.peak_bytes
+    assert bound.max_recv_bytes <= best.max_recv_bytes
+    for other in ("naive", "dtensor"):
+        assert best.max_recv_bytes <= plan(shape, mesh_shape, src, dst, planner=other).max_recv_bytes
+    with pytest.raises(NoFeasiblePlan, match=f"max_peak_bytes={bound.peak_bytes - 1}"):
+        plan(shape, mesh_shape, src, dst, max_peak_bytes=bound.peak_bytes - 1)
 
 
 def test_peak_cap_is_honoured_and_infeasible_caps_say_so():
