@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 from dtensor_ext._compat import LocalTensor, Partial, Replicate, enabled_local_tensor_mode, local_int
 from dtensor_ext.redistribute.layout import Layout
 from dtensor_ext.redistribute.plan import Plan, Step
-from dtensor_ext.testing.layout import chunk_sizes
 
 __all__ = ["execute", "redistribute"]
 

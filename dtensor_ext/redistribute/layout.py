@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from dtensor_ext._compat import Partial, Placement, StridedShard
+from dtensor_ext._compat import Placement, StridedShard
 from dtensor_ext.redistribute.placements import is_shard
 from dtensor_ext.testing.layout import chunk_sizes
 
@@ -109,10 +109,6 @@ class Layout:
     @cached_property
     def local_shapes(self) -> list[tuple[int, ...]]:
         return [tuple(_length(d) for d in block) for block in self.blocks]
-
-    @cached_property
-    def partial_dims(self) -> tuple[int, ...]:
-        return tuple(i for i, p in enumerate(self.placements) if isinstance(p, Partial))
 
     def local_numel(self, rank: int) -> int:
         return count(self.blocks[rank])

@@ -17,11 +17,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtensor_ext._compat import enabled_local_tensor_mode
 from dtensor_ext.redistribute.layout import Layout, coordinates
+from dtensor_ext.redistribute.placements import format_placements
 from dtensor_ext.redistribute.plan import Step
 from dtensor_ext.testing.layout import chunk_sizes
 from dtensor_ext.testing.mesh import simulated_mesh
 
-__all__ = ["CollectiveRecorder", "dtensor_steps"]
+__all__ = ["CollectiveRecorder", "DTensorRedistributeFailed", "dtensor_steps"]
+
+
+class DTensorRedistributeFailed(RuntimeError):
+    """torch's own redistribute raised for this request, so there is no DTensor plan to compare with."""
 
 # op name -> (kind, index of the group argument)
 _COLLECTIVES = {
@@ -79,7 +84,13 @@ def dtensor_steps(shape, mesh_shape, src, dst, dtype, cost_model) -> list[Step]:
                 stride = tuple(torch.empty(shape, device="meta").stride())
                 tensor = DTensor.from_local(local, mesh, src, run_check=False, shape=torch.Size(shape), stride=stride)
                 with recorder:
-                    tensor.redistribute(mesh, dst)
+                    try:
+                        tensor.redistribute(mesh, dst)
+                    except (RuntimeError, ValueError, AssertionError) as exc:
+                        raise DTensorRedistributeFailed(
+                            f"torch {torch.__version__} DTensor.redistribute {format_placements(src)} -> "
+                            f"{format_placements(dst)} of {tuple(shape)} on mesh {tuple(mesh_shape)} failed: {exc}"
+                        ) from exc
     finally:
         torch_log.setLevel(level)
     steps = []

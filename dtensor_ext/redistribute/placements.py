@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from dtensor_ext._compat import Partial, Placement, Replicate, Shard, StridedShard
 
-__all__ = ["PARTIAL_OPS", "parse_placements", "parse_ints", "format_placements", "check_placements", "is_shard", "shard_dims"]
+__all__ = ["PARTIAL_OPS", "parse_placements", "parse_ints", "format_placements", "check_placements", "is_shard"]
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 _TOKEN = re.compile(r"^(?:(R)|S(\d+)|SS(\d+)x(\d+)|P(?:\((\w+)\))?)$")
@@ -104,7 +104,3 @@ def format_placements_safe(placements: Sequence[object]) -> str:
 def is_shard(p: Placement) -> bool:
     """Shard or _StridedShard (the latter is not a Shard subclass)."""
     return isinstance(p, (Shard, StridedShard))
-
-
-def shard_dims(placements: Sequence[Placement]) -> set[int]:
-    return {p.dim for p in placements if is_shard(p)}

@@ -88,4 +88,6 @@ class Plan:
 
 
 def _kib(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f"{nbytes} B"
     return f"{nbytes / 1024:.1f} KiB" if nbytes % 1024 else f"{nbytes // 1024} KiB"

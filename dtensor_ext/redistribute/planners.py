@@ -15,12 +15,12 @@ import itertools
 
 import torch
 
-from dtensor_ext._compat import Partial, Placement, Replicate, Shard
+from dtensor_ext._compat import Partial, Replicate, Shard
 from dtensor_ext.redistribute.cost import IdealCostModel
 from dtensor_ext.redistribute.lower_bound import lower_bound, mesh_shape_of, reduced_dims, validate_request
 from dtensor_ext.redistribute.placements import format_placements
 from dtensor_ext.redistribute.plan import Plan, Step
-from dtensor_ext.redistribute.steps import StepBuilder, _replace
+from dtensor_ext.redistribute.steps import StepBuilder, replace_placement
 
 __all__ = ["PLANNERS", "OBJECTIVES", "NoFeasiblePlan", "plan"]
 
@@ -96,10 +96,10 @@ def _moves(builder: StepBuilder, state, dst):
             continue
         for p in dict.fromkeys([*options, dst[mesh_dim]]):
             if p != current and not isinstance(p, Partial):
-                yield builder.exchange(state, _replace(state, mesh_dim, p))
+                yield builder.exchange(state, replace_placement(state, mesh_dim, p))
     for mesh_dim in pending:  # an exact reduction of size-1 mesh dims (no data moves)
         if builder.mesh_shape[mesh_dim] == 1:
-            yield builder.exchange(state, _replace(state, mesh_dim, Replicate()))
+            yield builder.exchange(state, replace_placement(state, mesh_dim, Replicate()))
 
 
 def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective) -> list[Step]:
@@ -110,41 +110,45 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective) -> list[
                     f"max_peak_bytes={max_peak_bytes}: the {what} layout {format_placements(placements)} alone "
                     f"holds {builder.buffer_bytes(placements)} bytes on a rank"
                 )
-    weight = builder.cost.min_beta if objective == "time" else 1.0
-
     @functools.lru_cache(maxsize=None)
-    def heuristic(state) -> float:
+    def remaining(state):
+        """Lower bound from `state` to the target (None where the target's Partial needs a Replicate first)."""
         if any(isinstance(q, Partial) and q != p and not isinstance(p, Replicate) for p, q in zip(state, dst)):
-            return 0.0  # the target's Partial needs a Replicate first; no cheap bound from here
-        bound = lower_bound(builder.shape, builder.mesh_shape, state, dst, dtype=_dtype_of(builder.itemsize))
-        return bound.max_recv_bytes * weight
+            return None
+        return lower_bound(builder.shape, builder.mesh_shape, state, dst, dtype=_dtype_of(builder.itemsize))
 
-    def step_cost(step: Step) -> tuple[float, int]:
-        most = max(step.recv_bytes)
-        return (step.time_s if objective == "time" else most, most)
+    def priority(state, received, spent_time) -> tuple[float, float]:
+        """(what is minimised, tie-break), both never above their final values along any completion."""
+        bound = remaining(state)
+        if objective == "time":
+            ahead = bound.max_recv_bytes * builder.cost.min_beta if bound else 0.0
+            return spent_time + ahead, max(received)
+        # bytes: the busiest rank's total, so the per-rank sums are part of the search state
+        ahead = max(max(r + n for r, n in zip(received, bound.recv_bytes_per_rank)), bound.max_recv_bytes) if bound else 0
+        return max(max(received), ahead), spent_time
 
     tie = itertools.count()
-    frontier = [(heuristic(src), 0, next(tie), src, 0.0, 0, [])]
+    start = (0,) * builder.world
+    frontier = [(*priority(src, start, 0.0), next(tie), src, start, 0.0, [])]
     settled: dict[tuple, float] = {}
     while frontier:
-        _, _, _, state, spent, spent_bytes, path = heapq.heappop(frontier)
+        _, _, _, state, received, spent_time, path = heapq.heappop(frontier)
         if state == dst:
             return path
-        if settled.get(state, float("inf")) <= spent:
+        key = state if objective == "time" else (state, received)
+        if key in settled:
             continue
-        settled[state] = spent
+        settled[key] = spent_time
         for step in _moves(builder, state, dst):
             if step is None or step.after == state:
                 continue
             if max_peak_bytes is not None and step.buffer_bytes > max_peak_bytes:
                 continue
-            primary, secondary = step_cost(step)
-            cost, cost_bytes = spent + primary, spent_bytes + secondary
-            if settled.get(step.after, float("inf")) <= cost:
-                continue
+            now = tuple(a + b for a, b in zip(received, step.recv_bytes))
             heapq.heappush(
                 frontier,
-                (cost + heuristic(step.after), cost_bytes, next(tie), step.after, cost, cost_bytes, [*path, step]),
+                (*priority(step.after, now, spent_time + step.time_s), next(tie), step.after, now,
+                 spent_time + step.time_s, [*path, step]),
             )
     cap = f" within max_peak_bytes={max_peak_bytes}" if max_peak_bytes is not None else ""
     raise NoFeasiblePlan(f"no plan from {format_placements(src)} to {format_placements(dst)}{cap}")

@@ -17,10 +17,10 @@ from dtensor_ext.redistribute.layout import Layout, coordinates, count
 from dtensor_ext.redistribute.placements import is_shard
 from dtensor_ext.redistribute.plan import Step, Transfer
 
-__all__ = ["StepBuilder"]
+__all__ = ["StepBuilder", "replace_placement"]
 
 
-def _replace(placements: tuple[Placement, ...], mesh_dim: int, p: Placement) -> tuple[Placement, ...]:
+def replace_placement(placements: tuple[Placement, ...], mesh_dim: int, p: Placement) -> tuple[Placement, ...]:
     return placements[:mesh_dim] + (p,) + placements[mesh_dim + 1 :]
 
 
@@ -93,7 +93,7 @@ class StepBuilder:
         return sum(x != y for x, y in zip(self.coords[r], self.coords[s]))
 
     def all_reduce(self, a: tuple[Placement, ...], mesh_dim: int) -> Step:
-        b = _replace(a, mesh_dim, Replicate())
+        b = replace_placement(a, mesh_dim, Replicate())
         n = self.mesh_shape[mesh_dim]
         layout = self.layout(a)
         local = [layout.local_numel(r) for r in range(self.world)]
@@ -107,7 +107,7 @@ class StepBuilder:
             return None
         if any(is_shard(p) and p.dim == tensor_dim and type(p) is not Shard for p in a):
             return None
-        b = _replace(a, mesh_dim, Shard(tensor_dim))
+        b = replace_placement(a, mesh_dim, Shard(tensor_dim))
         n = self.mesh_shape[mesh_dim]
         layout = self.layout(a)
         recv, padded = [], []

