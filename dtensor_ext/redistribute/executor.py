@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from dtensor_ext._compat import LocalTensor, Partial, Replicate, enabled_local_tensor_mode, local_int
-from dtensor_ext.redistribute.layout import Layout
+from dtensor_ext.redistribute.layout import Layout, coordinates
 from dtensor_ext.redistribute.plan import Plan, Step
 
 __all__ = ["execute", "redistribute"]
@@ -117,8 +117,6 @@ def _exchange(local, step: Step, before: Layout, after: Layout, world: int):
 
 def _zero_new_partials(rank: int, out: torch.Tensor, step: Step, before: Layout) -> torch.Tensor:
     """Replicate -> Partial(sum): one rank per group keeps the value, the others hold zeros."""
-    from dtensor_ext.redistribute.layout import coordinates
-
     coord = coordinates(before.mesh_shape)[rank]
     for j, (p, q) in enumerate(zip(step.before, step.after)):
         if isinstance(q, Partial) and isinstance(p, Replicate) and q.reduce_op == "sum" and coord[j] != 0:
