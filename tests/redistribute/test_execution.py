@@ -96,3 +96,13 @@ def test_peak_capped_execution_stays_correct():
         y = redistribute(x, P("S0,S1"), max_peak_bytes=cap)
         assert _same(y, x.redistribute(mesh, P("S0,S1")))
     assert plan((8, 8), (2, 2), P("P(sum),S0"), P("S0,S1"), max_peak_bytes=cap).peak_bytes <= cap
+
+
+def test_avg_and_min_partials_reduce_like_dtensor():
+    t = torch.randn(5, 6)
+    for src, dst in (("P(avg),S1", "S0,R"), ("P(min),P(min)", "R,S1"), ("S0,P(avg)", "R,R")):
+        with simulated_mesh((2, 2)) as mesh:
+            x = _dtensor(mesh, t, P(src))
+            ours = redistribute(x, P(dst))
+            assert _same(ours, x.redistribute(mesh, P(dst))), (src, dst)
+            assert torch.allclose(reassemble(local_values(ours), P(dst), mesh.mesh, (5, 6)), t, atol=1e-5)
