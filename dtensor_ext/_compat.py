@@ -349,3 +349,25 @@ def greedy_redistribution_planned(source: DTensorSpec) -> bool:
 def rank_in_mesh(mesh) -> bool:
     """Whether this process is one of `mesh`'s ranks (torch prices every redistribution 0 elsewhere)."""
     return mesh._is_current_rank_part_of_mesh()
+
+
+def dtensor_collective_costs():
+    """torch's own cost formulas for collectives (microseconds) and its topology record, for comparison."""
+    from torch.distributed.tensor import _collective_utils as cu
+
+    return cu.MeshTopoInfo, {"all_gather": cu.allgather_cost, "all_reduce": cu.allreduce_cost,
+                             "reduce_scatter": cu.reduce_scatter_cost}
+
+
+def enabled_local_tensor_mode():
+    """The active LocalTensorMode (simulated ranks) or None in a real multi-process run."""
+    from torch.distributed._local_tensor import enabled_local_tensor_mode as enabled
+
+    return enabled()
+
+
+def local_int(values: dict[int, int]):
+    """One int per simulated rank, as a SymInt collectives and views accept."""
+    from torch.distributed._local_tensor import LocalIntNode
+
+    return torch.SymInt(LocalIntNode(values))

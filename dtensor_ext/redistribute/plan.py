@@ -1,0 +1,93 @@
+"""A redistribution plan: ordered steps with the bytes each rank receives and the buffer it holds afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dtensor_ext._compat import Placement
+from dtensor_ext.redistribute.placements import format_placements
+
+__all__ = ["Transfer", "Step", "Plan"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Rank `src` sends rank `dst` the elements of `block` (per-dim index intervals)."""
+
+    src: int
+    dst: int
+    block: tuple
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | permute | local
+    mesh_dims: tuple[int, ...]
+    before: tuple[Placement, ...] | None
+    after: tuple[Placement, ...] | None
+    recv_bytes: tuple[int, ...]  # per rank
+    buffer_bytes: int  # largest local buffer after the step
+    time_s: float
+    transfers: tuple[Transfer, ...] = field(default=(), repr=False, compare=False)
+    tensor_dim: int | None = None  # reduce_scatter: the dim it scatters
+
+    def describe(self) -> str:
+        dims = ",".join(map(str, self.mesh_dims)) or "-"
+        change = ""
+        if self.before is not None and self.after is not None:
+            change = f"{format_placements(self.before)} -> {format_placements(self.after)}"
+        return (
+            f"{self.kind:<14} mesh dims ({dims:<5}) {change:<28} recv {_kib(max(self.recv_bytes, default=0))}"
+            f"  buffer {_kib(self.buffer_bytes)}  {self.time_s * 1e6:9.1f} us"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    planner: str
+    shape: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    dtype: torch.dtype
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    steps: tuple[Step, ...]
+    source_bytes: int  # largest local buffer before the first step
+
+    @property
+    def recv_bytes_per_rank(self) -> tuple[int, ...]:
+        ranks = len(self.steps[0].recv_bytes) if self.steps else 0
+        return tuple(sum(s.recv_bytes[r] for s in self.steps) for r in range(ranks))
+
+    @property
+    def max_recv_bytes(self) -> int:
+        return max(self.recv_bytes_per_rank, default=0)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max([self.source_bytes, *(s.buffer_bytes for s in self.steps)])
+
+    @property
+    def time_s(self) -> float:
+        return sum(s.time_s for s in self.steps)
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.planner} plan {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} on mesh "
+            f"{tuple(self.mesh_shape)}: {format_placements(self.src)} -> {format_placements(self.dst)}"
+        )
+        lines = [head, *(f"  {i}. {s.describe()}" for i, s in enumerate(self.steps, 1))]
+        if not self.steps:
+            lines.append("  (nothing to do)")
+        lines.append(
+            f"  total: max recv {_kib(self.max_recv_bytes)}, peak {_kib(self.peak_bytes)}, "
+            f"modelled {self.time_s * 1e6:.1f} us"
+        )
+        return "\n".join(lines)
+
+
+def _kib(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    return f"{nbytes / 1024:.1f} KiB" if nbytes % 1024 else f"{nbytes // 1024} KiB"

@@ -1,0 +1,108 @@
+import math
+
+import torch
+from hypothesis import given, note
+from torch.distributed.tensor import DTensor
+
+from dtensor_ext._compat import Replicate, Shard, enabled_local_tensor_mode
+from dtensor_ext.redistribute import parse_placements, plan, redistribute
+from dtensor_ext.redistribute.measure import CollectiveRecorder
+from dtensor_ext.testing import local_values, rank_coordinates, simulated_mesh
+from dtensor_ext.testing.layout import place, reassemble
+from tests.redistribute.strategies import execution_requests
+
+P = parse_placements
+
+
+def _dtensor(mesh, t, placements):
+    pieces = place(t, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=3)
+    local = enabled_local_tensor_mode().rank_map(lambda r: pieces[r])
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _same(a: DTensor, b: DTensor) -> bool:
+    x, y = local_values(a), local_values(b)
+    return a.placements == b.placements and all(torch.allclose(x[r], y[r], atol=1e-5) for r in x)
+
+
+@given(execution_requests())
+def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request):
+    mesh_shape, shape, src, dst = request
+    t = torch.randn(shape)
+    chosen = plan(shape, mesh_shape, src, dst)
+    with simulated_mesh(mesh_shape) as mesh:
+        x = _dtensor(mesh, t, src)
+        recorder = CollectiveRecorder()
+        with recorder:
+            ours = redistribute(x, dst)
+        assert ours.placements == tuple(dst)
+        assert torch.allclose(reassemble(local_values(ours), dst, mesh.mesh, shape), t, atol=1e-5)
+        try:
+            theirs = x.redistribute(mesh, dst)
+        except RuntimeError as exc:  # torch's own redistribute fails on some empty shards; the check above stands
+            note(f"DTensor.redistribute failed: {exc}")
+        else:
+            assert _same(ours, theirs)
+    # the data-moving collectives carried exactly the bytes the plan claims for them
+    moved = [s for s in chosen.steps if s.kind in ("all_gather", "all_to_all", "permute")]
+    a2a = [c for c in recorder.calls if c[0] == "all_to_all"]
+    assert len(a2a) == len(moved)
+    for step, (_, _, _, outputs, _) in zip(moved, a2a):
+        assert max(math.prod(s) for s in outputs.values()) * 4 == max(step.recv_bytes)
+
+
+def test_uneven_3d_transpose_and_strided_source():
+    t = torch.randn(7, 5)
+    with simulated_mesh((2, 2, 2)) as mesh:
+        x = _dtensor(mesh, t, P("S0,S0,S0"))
+        assert _same(redistribute(x, P("S1,S1,S1")), x.redistribute(mesh, P("S1,S1,S1")))
+    u = torch.randn(8, 3)
+    with simulated_mesh((2, 2)) as mesh:
+        from torch.distributed.tensor import distribute_tensor
+
+        y = distribute_tensor(u, mesh, P("SS0x2,S0"))
+        assert _same(redistribute(y, P("S1,R")), y.redistribute(mesh, P("S1,R")))
+
+
+def test_replicate_to_partial_is_local_and_sums_back():
+    t = torch.randn(5, 3)
+    with simulated_mesh((2, 2)) as mesh:
+        x = _dtensor(mesh, t, P("R,S0"))
+        y = redistribute(x, P("P(sum),S1"))
+        assert torch.allclose(reassemble(local_values(y), y.placements, mesh.mesh, (5, 3)), t)
+
+
+def test_autograd_backward_is_the_reverse_redistribution():
+    t = torch.randn(6, 5)
+    w = torch.randn(6, 5)
+    with simulated_mesh((2, 2)) as mesh:
+        x = _dtensor(mesh, t, P("S0,S1")).requires_grad_()
+        weight = _dtensor(mesh, w, P("S1,S0"))
+        (redistribute(x, P("S1,S0")) * weight).sum().backward()
+        assert x.grad.placements == (Shard(0), Shard(1))
+        got = reassemble(local_values(x.grad), x.grad.placements, mesh.mesh, (6, 5))
+        p = _dtensor(mesh, t, P("P(sum),R")).requires_grad_()
+        redistribute(p, P("S0,R")).sum().backward()
+        assert p.grad.placements == (Replicate(), Replicate())
+    assert torch.allclose(got, w)
+    assert torch.allclose(reassemble(local_values(p.grad), (Replicate(), Replicate()), mesh.mesh, (6, 5)), torch.ones(6, 5))
+
+
+def test_peak_capped_execution_stays_correct():
+    t = torch.randn(8, 8)
+    cap = 8 * 8 * 4 // 2
+    with simulated_mesh((2, 2)) as mesh:
+        x = _dtensor(mesh, t, P("P(sum),S0"))
+        y = redistribute(x, P("S0,S1"), max_peak_bytes=cap)
+        assert _same(y, x.redistribute(mesh, P("S0,S1")))
+    assert plan((8, 8), (2, 2), P("P(sum),S0"), P("S0,S1"), max_peak_bytes=cap).peak_bytes <= cap
+
+
+def test_avg_and_min_partials_reduce_like_dtensor():
+    t = torch.randn(5, 6)
+    for src, dst in (("P(avg),S1", "S0,R"), ("P(min),P(min)", "R,S1"), ("S0,P(avg)", "R,R")):
+        with simulated_mesh((2, 2)) as mesh:
+            x = _dtensor(mesh, t, P(src))
+            ours = redistribute(x, P(dst))
+            assert _same(ours, x.redistribute(mesh, P(dst))), (src, dst)
+            assert torch.allclose(reassemble(local_values(ours), P(dst), mesh.mesh, (5, 6)), t, atol=1e-5)
