@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from dtensor_ext.redistribute.cost import AlphaBeta
+
 __all__ = [
     "CALIBRATION_VERSION",
     "NOT_MEASURED",
@@ -55,15 +57,6 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 def calibration_key(backend: str, device_type: str, mesh_shape: Sequence[int], dtype: torch.dtype | str) -> str:
     """The entry key, e.g. 'gloo/cpu/mesh=2x2/float32'."""
     return f"{backend}/{device_type}/mesh={'x'.join(map(str, mesh_shape))}/{dtype_name(dtype)}"
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    alpha_s: float
-    beta_s_per_byte: float
-
-    def predict(self, received_bytes: float) -> float:
-        return self.alpha_s + self.beta_s_per_byte * received_bytes
 
 
 @dataclass(frozen=True)

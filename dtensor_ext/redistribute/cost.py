@@ -11,7 +11,6 @@ slow as its slowest hop, so it uses the largest alpha and the largest beta of th
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,10 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
 class AlphaBeta:
     alpha_s: float  # latency per message
     beta_s_per_byte: float  # inverse bandwidth
+
+    def predict(self, received_bytes: float) -> float:
+        """One message's time: the autotuner fits this line to its measurements."""
+        return self.alpha_s + self.beta_s_per_byte * received_bytes
 
 
 def _check_kind(kind: str) -> None:
@@ -93,24 +96,17 @@ class CalibratedCostModel(RingCostModel):
 
     @classmethod
     def from_file(cls, path: str | Path, key: str) -> "CalibratedCostModel":
-        data = json.loads(Path(path).read_text())
-        if data.get("version") != 1:
-            raise ValueError(f"{path}: version {data.get('version')!r}; expected 1")
-        entries = data.get("entries", {})
+        """The entry `key` (see `dtensor_ext.autotune.calibration_key`) of an autotune calibration file."""
+        from dtensor_ext.autotune.calibration import read_calibration
+
+        if not Path(path).exists():
+            raise FileNotFoundError(f"calibration file {path} does not exist (run `python -m dtensor_ext autotune`)")
+        entries = read_calibration(path)
         if key not in entries:
             raise KeyError(f"{path}: no entry {key!r}; entries: {sorted(entries)}")
-        per_dim = entries[key].get("per_mesh_dim")
-        if not isinstance(per_dim, dict) or not per_dim:
-            raise ValueError(f"{path}, entry {key!r}: 'per_mesh_dim' must map mesh dims to alpha_s/beta_s_per_byte")
-        links = {}
-        for dim, values in per_dim.items():
-            try:
-                links[int(dim)] = AlphaBeta(float(values["alpha_s"]), float(values["beta_s_per_byte"]))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(
-                    f"{path}, entry {key!r}, mesh dim {dim!r}: expected {{'alpha_s': float, 'beta_s_per_byte': float}}"
-                ) from exc
-        return cls(links)
+        if not entries[key].per_mesh_dim:
+            raise ValueError(f"{path}, entry {key!r}: 'per_mesh_dim' is empty; nothing was measured")
+        return cls(entries[key].per_mesh_dim)
 
 
 class DTensorCostModel:
