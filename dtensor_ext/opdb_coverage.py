@@ -304,10 +304,12 @@ def _compare(got: Any, expected: Any) -> tuple[str, str | None]:
 def _communication_free(case: _Case, placements, mesh_shape, coords, layout) -> bool:
     """Whether computing on each rank's own pieces, with no communication, gives a valid 1-D output layout.
 
-    Outputs of fewer than 4 elements are not judged: one value can match a wrong layout by coincidence.
+    Only ops returning tensors are judged, and not outputs of fewer than 4 elements: one value can match a wrong
+    layout by coincidence.
     """
-    if any(e.numel() < 4 for e in pytree.tree_leaves(case.expected) if isinstance(e, torch.Tensor)):
-        return False
+    outputs = case.expected if isinstance(case.expected, (tuple, list)) else [case.expected]
+    if not all(isinstance(e, torch.Tensor) and e.numel() >= 4 for e in outputs):
+        return False  # the local check judges tensor outputs only
     (inp, args), kwargs = pytree.tree_unflatten(case.flat, case.spec)
     sample = _Sample(case.func, (inp, *args), kwargs)
     return _valid_outputs(sample, tuple(p[0] for p in placements), mesh_shape, coords, layout) is not None
