@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext._compat import LocalTensor, Partial, Replicate, Shard
-from dtensor_ext.testing.checker import _Sample, _tolerance, _valid_outputs
+from dtensor_ext.testing.checker import _judge, _Sample, _valid_outputs
 from dtensor_ext.testing.layout import place
 from dtensor_ext.testing.mesh import active_mode, local_values, rank_coordinates, simulated_mesh
 
@@ -265,20 +265,7 @@ def _failure(e: Exception) -> tuple[str, str]:
     return kind, _first_line(e)
 
 
-def _difference(got: torch.Tensor, expected: torch.Tensor) -> str | None:
-    if got.shape != expected.shape:
-        return f"shape {tuple(got.shape)} != expected {tuple(expected.shape)}"
-    if got.dtype != expected.dtype:
-        return f"dtype {got.dtype} != expected {expected.dtype}"
-    rtol, atol = _tolerance(expected)
-    try:
-        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True)
-    except AssertionError as e:
-        return "values differ: " + str(e).strip().splitlines()[-1].strip()
-    return None
-
-
-def _compare(got: Any, expected: Any) -> tuple[str, str | None]:
+def _compare(got: Any, expected: Any, layout: torch.Tensor) -> tuple[str, str | None]:
     """("correct", None) when every rank's full result equals the single-device one, else the outcome and why."""
     got_leaves, expected_leaves = pytree.tree_leaves(got), pytree.tree_leaves(expected)
     if len(got_leaves) != len(expected_leaves):
@@ -291,11 +278,12 @@ def _compare(got: Any, expected: Any) -> tuple[str, str | None]:
                 full = g.full_tensor()
             except Exception as err:
                 return "error", "full_tensor(): " + _first_line(err)
-            values = local_values(full) if isinstance(full, LocalTensor) else {0: full}
-            for rank, value in values.items():
-                why = _difference(value, e)
-                if why is not None:
-                    return "wrong", f"output {i} on rank {rank}: {why}"
+            if not isinstance(full, LocalTensor):
+                return "other", f"output {i}: full_tensor() gave a {type(full).__name__}, not one value per rank"
+            # every rank must hold the single-device value: the Replicate layout of the full tensor
+            why = _judge(local_values(full), [Replicate()] * layout.dim(), e, layout)
+            if why is not None:
+                return "wrong", f"output {i}: {why}"
         elif isinstance(g, DTensor) or not _same(g, e):
             return "wrong", f"output {i}: {g!r} != expected {e!r}"
     return "correct", None
@@ -334,7 +322,7 @@ def _run_sharded(case: _Case, placements, mesh, coords, options: Options) -> tup
             got = case.call(inputs)
     except Exception as e:
         return (*_failure(e), False)
-    outcome, reason = _compare(got, case.expected)
+    outcome, reason = _compare(got, case.expected, mesh.mesh)
     fallback = False
     if outcome == "correct" and options.check_fallback and len(mesh_shape) == 1 and comm.get_total_counts():
         with mode.disable():
