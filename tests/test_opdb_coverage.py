@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 
 import pytest
@@ -12,8 +13,8 @@ import torch
 import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext.__main__ import main
-from dtensor_ext._compat import Replicate, Shard
-from dtensor_ext.opdb_coverage import Options, excluded_reason, format_report, measure
+from dtensor_ext._compat import Partial, Replicate, Shard
+from dtensor_ext.opdb_coverage import Options, _place_exactly, excluded_reason, format_report, measure
 
 ONE_D = ("1d4",)
 
@@ -106,3 +107,18 @@ def test_bad_options_name_the_field():
         measure(Options(ops=["add"], meshes=["3d"]))
     with pytest.raises(ValueError, match="ops: no OpInfo left"):
         measure(Options(ops=["no_such_op*"]))
+
+
+@pytest.mark.parametrize("mesh_shape, placements", [((4,), (Partial("sum"),)), ((2, 2), (Partial("sum"), Shard(0))),
+                                                    ((2, 2), (Partial("sum"), Partial("sum")))])
+def test_partial_pieces_add_up_exactly_in_every_order(mesh_shape, placements):
+    t = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)) * 7
+    coords = {r: c for r, c in enumerate(itertools.product(*(range(n) for n in mesh_shape)))}
+    pieces = _place_exactly(t, placements, mesh_shape, coords)
+    holders = [r for r in coords if all(coords[r][d] == 0 for d, p in enumerate(placements) if isinstance(p, Shard))]
+    for order in itertools.permutations(holders):
+        total = torch.zeros_like(pieces[order[0]])
+        for r in order:
+            total = total + pieces[r]
+        assert torch.equal(total, t[: total.shape[0]])
+    assert not torch.equal(pieces[holders[0]], t[: pieces[holders[0]].shape[0]])  # the value really is split
