@@ -297,12 +297,18 @@ def _compare(got: Any, expected: Any, layout: torch.Tensor) -> tuple[str, str | 
 def _communication_free(case: _Case, placements, mesh_shape, coords, layout) -> bool:
     """Whether computing on each rank's own pieces, with no communication, gives a valid 1-D output layout.
 
-    Only ops returning tensors are judged, and not outputs of fewer than 4 elements: one value can match a wrong
+    Judged only for ops returning one tensor or a fixed-arity tuple of tensors (not a list or plain tuple, whose
+    length can change with the shard, as unbind's does), each of at least 4 elements: one value can match a wrong
     layout by coincidence.
     """
-    outputs = case.expected if isinstance(case.expected, (tuple, list)) else [case.expected]
+    if isinstance(case.expected, torch.Tensor):
+        outputs = [case.expected]
+    elif isinstance(case.expected, tuple) and type(case.expected) is not tuple:  # torch.return_types.*
+        outputs = list(case.expected)
+    else:
+        return False
     if not all(isinstance(e, torch.Tensor) and e.numel() >= 4 for e in outputs):
-        return False  # the local check judges tensor outputs only
+        return False
     (inp, args), kwargs = pytree.tree_unflatten(case.flat, case.spec)
     sample = _Sample(case.func, (inp, *args), kwargs)
     return _valid_outputs(sample, tuple(p[0] for p in placements), mesh_shape, coords, layout) is not None
