@@ -12,7 +12,15 @@ from dtensor_ext import _compat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the registry as JSON")
+    parser.add_argument("--json", action="store_true", help="print the registry (or the --opdb result) as JSON")
+    parser.add_argument("--opdb", action="store_true", help="run torch's OpInfo samples as DTensors, without and with the package")
+    opdb = parser.add_argument_group("--opdb options")
+    opdb.add_argument("--ops", type=lambda s: [g for g in s.split(",") if g], default=[], help="comma-separated OpInfo name globs")
+    opdb.add_argument("--max-samples", type=int, default=4, help="samples per op (first N)")
+    opdb.add_argument("--max-shardings", type=int, default=4, help="input shardings per sample and mesh")
+    opdb.add_argument("--meshes", type=lambda s: s.split(","), default=["1d4", "2x2"], help="1d4 and/or 2x2")
+    opdb.add_argument("--timeout", type=float, default=30.0, help="seconds per sharded run before it counts as timeout")
+    opdb.add_argument("--verbose", action="store_true", help="list every failing op, and progress on stderr")
 
 
 def registry_table() -> str:
@@ -35,6 +43,10 @@ def registry_table() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.opdb:
+        from dtensor_ext import opdb_coverage
+
+        return opdb_coverage.run(args)
     if args.json:
         print(json.dumps([dataclasses.asdict(e) for e in dtensor_ext.registry()], indent=2))
     else:

@@ -1,0 +1,124 @@
+"""`coverage --opdb` classifies ops correctly: fixed by a rule, WRONG under a bad rule, excluded, and its JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+
+import pytest
+import torch
+
+import dtensor_ext
+from dtensor_ext import _compat
+from dtensor_ext.__main__ import main
+from dtensor_ext._compat import Partial, Replicate, Shard
+from dtensor_ext.opdb_coverage import Options, _place_exactly, excluded_reason, format_report, measure
+
+ONE_D = ("1d4",)
+
+
+def _statuses(result, mesh, mode):
+    return {label: status for status, labels in result["results"][mesh][mode]["ops"].items() for label in labels}
+
+
+def test_op_torch_lacks_fails_without_package_and_is_fixed_by_its_family():
+    result = measure(Options(ops=["addbmm"], max_samples=2, max_shardings=6))
+    for mesh in ("1d4", "2x2"):
+        assert _statuses(result, mesh, "without")["addbmm"] == "no_strategy"
+        assert _statuses(result, mesh, "with")["addbmm"] == "correct"
+    assert result["fixed_by_family"] == {"matmul": ["addbmm"]}
+    assert result["broken_by_package"] == []
+    assert dtensor_ext.is_installed()  # the run puts the package back as it found it
+
+
+@contextlib.contextmanager
+def _wrong_mv_rule():
+    """mv with the matrix sharded on k and the vector on k claims a Replicate output; the truth is Partial."""
+
+    def wrong(op, args, kwargs):
+        return [[Replicate(), Shard(1), Shard(0)]]
+
+    op = torch.ops.aten.mv.default
+    dtensor_ext.uninstall()
+    before = _compat.snapshot_registration(op)
+    _compat.register_single_dim(op, wrong)
+    _compat.clear_sharding_caches()
+    try:
+        yield
+    finally:
+        _compat.restore_registration(op, before)
+        _compat.clear_sharding_caches()
+        dtensor_ext.install()
+
+
+def test_a_wrong_rule_is_counted_as_wrong_and_fails_the_command():
+    with _wrong_mv_rule():
+        result = measure(Options(ops=["mv"], max_samples=1, max_shardings=12, meshes=ONE_D))
+        with contextlib.redirect_stdout(io.StringIO()):
+            status = main(["coverage", "--opdb", "--ops", "mv", "--max-samples", "1", "--max-shardings", "12",
+                           "--meshes", "1d4"])
+    for mode in ("without", "with"):  # the bad rule sits in torch's table, so install() leaves it alone
+        assert result["results"]["1d4"][mode]["ops"]["wrong"] == ["mv"]
+        assert "ranks hold different values" in result["results"]["1d4"][mode]["examples"]["mv"]["wrong"]
+    assert status == 1
+    assert "ops WRONG (result differs)                  1        1" in format_report(result)
+
+
+def test_communication_where_a_local_strategy_exists_is_reported():
+    # cumsum is linear, so a Partial input could stay Partial; torch 2.13 all-reduces it first
+    result = measure(Options(ops=["cumsum"], max_samples=1, max_shardings=20, meshes=ONE_D))
+    assert _statuses(result, "1d4", "without")["cumsum"] == "correct"
+    assert result["results"]["1d4"]["without"]["communicated_although_local_possible"] == ["cumsum"]
+    assert "(P)" in result["results"]["1d4"]["without"]["examples"]["cumsum"]["communicated"]
+
+
+def test_excluded_classes_are_listed_and_not_run():
+    assert excluded_reason("nonzero") == "data-dependent output shape"
+    assert excluded_reason("nn.functional.dropout2d") == "random"
+    assert excluded_reason("as_strided_scatter") == "as_strided"
+    assert excluded_reason("add") is None
+    result = measure(Options(ops=["nonzero", "add"], max_samples=1, max_shardings=1, meshes=ONE_D))
+    assert result["excluded"] == {"nonzero": "data-dependent output shape"}
+    assert result["ops_measured"] == 1
+    assert sum(result["skipped_samples"].values()) > 0  # samples past the cap are counted, not dropped
+
+
+def test_json_output_has_the_documented_fields():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["coverage", "--opdb", "--json", "--ops", "add", "--max-samples", "1", "--max-shardings", "2"])
+    result = json.loads(out.getvalue())
+    assert status == 0
+    assert set(result) == {
+        "torch", "dtensor_ext", "options", "seconds", "ops_measured", "samples_run", "excluded", "skipped_samples",
+        "shardings_not_run", "results", "fixed_by_family", "broken_by_package",
+    }
+    assert set(result["results"]) == {"1d4", "2x2"}
+    per_mode = result["results"]["2x2"]["with"]
+    assert set(per_mode) == {"ops", "runs", "communicated_although_local_possible", "fallback_runs", "examples"}
+    assert set(per_mode["ops"]) == {"wrong", "no_strategy", "error", "other", "correct", "untested"}
+    assert per_mode["ops"]["correct"] == ["add"] and per_mode["runs"] == {"correct": 2}
+
+
+def test_bad_options_name_the_field():
+    with pytest.raises(ValueError, match="meshes: unknown mesh '3d'"):
+        measure(Options(ops=["add"], meshes=["3d"]))
+    with pytest.raises(ValueError, match="ops: no OpInfo left"):
+        measure(Options(ops=["no_such_op*"]))
+
+
+@pytest.mark.parametrize("mesh_shape, placements", [((4,), (Partial("sum"),)), ((2, 2), (Partial("sum"), Shard(0))),
+                                                    ((2, 2), (Partial("sum"), Partial("sum")))])
+def test_partial_pieces_add_up_exactly_in_every_order(mesh_shape, placements):
+    t = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)) * 7
+    coords = {r: c for r, c in enumerate(itertools.product(*(range(n) for n in mesh_shape)))}
+    pieces = _place_exactly(t, placements, mesh_shape, coords)
+    holders = [r for r in coords if all(coords[r][d] == 0 for d, p in enumerate(placements) if isinstance(p, Shard))]
+    for order in itertools.permutations(holders):
+        total = torch.zeros_like(pieces[order[0]])
+        for r in order:
+            total = total + pieces[r]
+        assert torch.equal(total, t[: total.shape[0]])
+    assert not torch.equal(pieces[holders[0]], t[: pieces[holders[0]].shape[0]])  # the value really is split
