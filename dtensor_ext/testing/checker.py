@@ -270,6 +270,10 @@ def _run_combination(
             outputs_by_rank[rank] = sample.run_on_rank([pieces[rank] for pieces in per_input])
         except Exception as e:  # the op refusing a shard (shape errors) makes the claim wrong, not the checker
             return f"op raised on rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    shapes = {_output_structure(outs) for outs in outputs_by_rank.values()}
+    if len(shapes) != 1 or next(iter(shapes)) != _output_structure(sample.expected):
+        expected = _output_structure(sample.expected)
+        return f"ranks return different numbers of outputs ({sorted(shapes)}), expected {expected}"
     for j, (expected, placements) in enumerate(zip(sample.expected, combo.outputs)):
         if expected is None or any(p is None for p in placements):
             continue
@@ -284,6 +288,11 @@ def _run_combination(
 
 def _as_list(x):
     return x if isinstance(x, list) else [x]
+
+
+def _output_structure(outputs: list) -> tuple:
+    """How many tensors each output holds (lists vary with the shard for ops like unbind)."""
+    return tuple(len(o) if isinstance(o, list) else int(o is not None) for o in outputs)
 
 
 def _num_outputs(op: Callable, sample: _Sample) -> int:
@@ -389,6 +398,8 @@ def _valid_outputs(sample: _Sample, inputs, mesh_shape, coords, layout) -> tuple
         per_input = [place(t, (p,), mesh_shape, coords, salt=i) for i, (t, p) in enumerate(zip(sample.tensors, inputs))]
         outs = {rank: sample.run_on_rank([pieces[rank] for pieces in per_input]) for rank in coords}
     except Exception:  # an input placement the op cannot run on is simply not a candidate
+        return None
+    if any(_output_structure(o) != _output_structure(sample.expected) for o in outs.values()):
         return None
     chosen = []
     for j, expected in enumerate(sample.expected):

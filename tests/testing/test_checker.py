@@ -96,3 +96,10 @@ def test_chunk_sizes_follow_torch_chunk():
             expected = [c.size(0) for c in torch.arange(size).chunk(parts)] if size else []
             got = chunk_sizes(size, parts)
             assert got[: len(expected)] == expected and sum(got) == size and len(got) == parts
+
+
+def test_ops_whose_output_count_depends_on_the_shard_are_judged_not_crashed():
+    # unbind along a sharded dim returns 2 tensors on one rank and 1 on the other
+    report = check_rule(aten.unbind.int, (sample_tensor((3, 2)), 0), mesh_shape=(2,),
+                        rule=lambda op, a, k: [[ShardingPlaceholder(0), ShardingPlaceholder(0)]])
+    assert not report.ok and "different numbers of outputs" in report.failures[0].reason
