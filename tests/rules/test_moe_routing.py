@@ -20,7 +20,7 @@ from dtensor_ext._compat import op_strategy_rows, tensor_meta
 from dtensor_ext.rules import moe
 from dtensor_ext.testing import MESH_SHAPES, simulated_mesh
 from dtensor_ext.testing.checker import sample_tensor
-from tests.rules.proof import PROVING_MESHES, assert_proven, filled_rows
+from tests.rules.proof import PROVING_MESHES, assert_proven, assert_torch_validator_agrees, filled_rows
 
 aten = torch.ops.aten
 
@@ -117,3 +117,7 @@ def test_upgraded_combine_of_token_sharded_outputs_is_partial_without_collective
             out = _combine(zeros, idx, values)
         assert comm.get_total_counts() > 0  # torch's own rule has to move data
         torch.testing.assert_close(out.full_tensor(), expected)
+
+
+def test_torch_validator_finds_no_incorrect_row_in_upgraded_scatter_add():
+    assert_torch_validator_agrees("scatter_add", upgrade=["aten::scatter_add"])
