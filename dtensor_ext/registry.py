@@ -17,7 +17,9 @@ from torch._ops import OpOverload
 from dtensor_ext import _compat
 from dtensor_ext import fast_propagation as _fast_propagation
 
-__all__ = ["RuleSpec", "RegistryEntry", "single_dim_rule", "install", "install_one", "uninstall", "registry", "is_installed"]
+__all__ = [
+    "RuleSpec", "RegistryEntry", "single_dim_rule", "install", "install_one", "uninstall", "registry", "is_installed"
+]
 
 
 @dataclass(frozen=True)
