@@ -17,7 +17,9 @@ from torch._ops import OpOverload
 from dtensor_ext import _compat
 from dtensor_ext import fast_propagation as _fast_propagation
 
-__all__ = ["RuleSpec", "RegistryEntry", "single_dim_rule", "install", "uninstall", "registry", "is_installed"]
+__all__ = [
+    "RuleSpec", "RegistryEntry", "single_dim_rule", "install", "install_one", "uninstall", "registry", "is_installed"
+]
 
 
 @dataclass(frozen=True)
@@ -151,24 +153,10 @@ def install(
     previous: dict[OpOverload, dict] = {}
     registered: dict[OpOverload, RuleSpec] = {}
     for spec in _SPECS.values():
-        op = spec.resolve()
-        if op is None:
-            entries.append(RegistryEntry(spec.op_name, spec.family, "absent", None, spec.where))
-            continue
-        torch_kind = _compat.torch_strategy_kind(op)
-        if torch_kind in _compat.DIRECT_STRATEGY_KINDS and not _wants_upgrade(spec, upgrade):
-            entries.append(RegistryEntry(spec.op_name, spec.family, "skipped", torch_kind, spec.where))
-            continue
-        previous[op] = _compat.snapshot_registration(op)
-        _compat.restore_registration(op, {})  # a single-dim entry must not sit beside a stale op_strategy
-        _compat.register_single_dim(
-            op, spec.func, schema_info=spec.schema_info, allow_uneven_sharding=spec.allow_uneven_sharding
-        )
-        if spec.local_scalars is not None:
-            _compat.register_scalar_adjuster(op, spec.local_scalars)
-        registered[op] = spec
-        status = "upgraded" if torch_kind in _compat.DIRECT_STRATEGY_KINDS else "added"
-        entries.append(RegistryEntry(spec.op_name, spec.family, status, torch_kind, spec.where))
+        entry, op = _install_spec(spec, upgrade, previous)
+        entries.append(entry)
+        if op is not None:
+            registered[op] = spec
 
     _compat.auto_register_variants()
     for op in set(prop.op_single_dim_strategy_funcs) - before - set(registered):
@@ -188,6 +176,48 @@ def install(
     _state = _Installed(entries, previous, ours, _freeze(upgrade))
     _compat.clear_sharding_caches()
     return entries
+
+
+def _install_spec(
+    spec: RuleSpec, upgrade: bool | Iterable[str], previous: dict[OpOverload, dict]
+) -> tuple[RegistryEntry, OpOverload | None]:
+    """Register one rule unless torch shards the op itself; returns its entry and the op it registered."""
+    op = spec.resolve()
+    if op is None:
+        return RegistryEntry(spec.op_name, spec.family, "absent", None, spec.where), None
+    torch_kind = _compat.torch_strategy_kind(op)
+    if torch_kind in _compat.DIRECT_STRATEGY_KINDS and not _wants_upgrade(spec, upgrade):
+        return RegistryEntry(spec.op_name, spec.family, "skipped", torch_kind, spec.where), None
+    previous[op] = _compat.snapshot_registration(op)
+    _compat.restore_registration(op, {})  # a single-dim entry must not sit beside a stale op_strategy
+    _compat.register_single_dim(
+        op, spec.func, schema_info=spec.schema_info, allow_uneven_sharding=spec.allow_uneven_sharding
+    )
+    if spec.local_scalars is not None:
+        _compat.register_scalar_adjuster(op, spec.local_scalars)
+    status = "upgraded" if torch_kind in _compat.DIRECT_STRATEGY_KINDS else "added"
+    return RegistryEntry(spec.op_name, spec.family, status, torch_kind, spec.where), op
+
+
+def install_one(op: OpOverload | str) -> RegistryEntry | None:
+    """Install a rule declared after install() ran (a user's custom op) under the current options.
+
+    Returns its entry, or None where the package is not installed (the next install() picks the rule up).
+    """
+    if _state is None:
+        return None
+    name = _op_name(op)
+    spec = _SPECS.get(name)
+    if spec is None:
+        raise ValueError(f"install_one({name!r}): no rule is declared for this op; declare it with single_dim_rule")
+    if any(e.op == name for e in _state.entries):
+        raise ValueError(f"install_one({name!r}): already installed")
+    entry, registered = _install_spec(spec, _state.upgrade, _state.previous)
+    if registered is not None:
+        _state.ours[registered] = _compat.propagator().op_single_dim_strategy_funcs[registered]
+    _state.entries.append(entry)
+    _compat.clear_sharding_caches()
+    return entry
 
 
 def uninstall() -> None:

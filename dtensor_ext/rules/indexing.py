@@ -112,7 +112,7 @@ _SCATTER_ALGEBRA = {
 }
 
 
-def _scatter_rows(self, dim, index, src, reduce, include_self):
+def scatter_rows(self, dim, index, src, reduce, include_self):
     ndim = len(self.shape)
     dim = _dim(dim, ndim)
     algebra = _SCATTER_ALGEBRA[reduce]
@@ -140,7 +140,7 @@ def _scatter_rows(self, dim, index, src, reduce, include_self):
 def scatter_reduce_rule(op, args, kwargs):
     self, dim, index, src, reduce = args[:5]
     include_self = kwargs.get("include_self", True) if len(args) < 6 else args[5]
-    return _scatter_rows(self, dim, index, src, reduce, include_self)
+    return scatter_rows(self, dim, index, src, reduce, include_self)
 
 
 @single_dim_rule("aten::scatter.reduce", family=FAMILY, schema_info=RuntimeSchemaInfo(2, static_kwargkey=["reduce"]))
@@ -148,7 +148,7 @@ def scatter_legacy_reduce_rule(op, args, kwargs):
     """The legacy reduce="add"/"multiply" spelling: scatter_reduce with include_self."""
     self, dim, index, src = args[:4]
     reduce = {"add": "sum", "multiply": "prod"}[kwargs["reduce"]]
-    return _scatter_rows(self, dim, index, src, reduce, include_self=True)
+    return scatter_rows(self, dim, index, src, reduce, include_self=True)
 
 
 @single_dim_rule("aten::masked_scatter", family=FAMILY)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dtensor_ext._compat import Partial, Replicate, RuntimeSchemaInfo
 from dtensor_ext._compat import ShardingPlaceholder as S
 from dtensor_ext.registry import single_dim_rule
+from dtensor_ext.rules.indexing import scatter_rows
 
 FAMILY = "moe"
 
@@ -120,3 +121,15 @@ def _blocked_scales(a, b, scale_a, scale_b) -> bool:
         return tuple(scale.shape) == (mat.shape[0], mat.shape[1 + factor_dim])
 
     return not (rowwise(scale_a, a, 0) and rowwise(scale_b, b, 1))
+
+
+# Routing: torch 2.13 already shards topk and sort along a dim other than the sharded token dim, and histc of
+# sharded tokens (with fixed min/max) to Partial(sum); bincount's output size depends on the data. What it lacks
+# is the combine: scatter_add with index and src split along the scattered (token) dim, where each rank adds its
+# own tokens' contributions and the output is Partial(sum).
+@single_dim_rule("aten::scatter_add", family=FAMILY, schema_info=RuntimeSchemaInfo(1), superset_of_torch=True)
+def scatter_add_rule(op, args, kwargs):
+    """(self, dim, index, src): the rows of scatter_reduce(sum, include_self), which cover torch's own rule
+    wherever src lines up with index; install(upgrade=["aten::scatter_add"]) puts it in place of torch's."""
+    self, dim, index, src = args[:4]
+    return scatter_rows(self, dim, index, src, "sum", include_self=True)
