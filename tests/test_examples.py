@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {
+    "moe_custom_op.py": [],
     "policy_yaml.py": [],
     "sequence_parallel_dtensor.py": [],
     "sequence_parallel_block.py": ["--no-compile"],
