@@ -138,33 +138,42 @@ def _reduce_exchange(local, step: Step, before: Layout, after: Layout, world: in
     gather = [Transfer(src, m.rank, m.block) for m in step.merges for src in m.sources]
     reduce_op = next(p.reduce_op for p, q in zip(step.before, step.after) if isinstance(p, Partial) and p != q)
 
-    def merged(r, x, pieces) -> dict:
-        """block -> its reduced value, for every block rank r merges."""
+    def merge(r, x, pieces) -> torch.Tensor:
+        """The reduced values of every block rank r merges, flattened one after another in merge order."""
         parts = {m.block: [_select(x, _positions(before.blocks[r], m.block))] for m in step.merges if m.rank == r}
         for t, piece in _received(gather, r, pieces):
             parts[t.block].append(piece)
-        return {block: _combine(values, reduce_op) for block, values in parts.items()}
+        flat = [_combine(values, reduce_op).reshape(-1) for values in parts.values()]
+        return torch.cat(flat) if flat else x.new_zeros(0)
+
+    def values(r, flat) -> dict:
+        """block -> its reduced value at rank r, as views into `merge`'s output."""
+        out, offset = {}, 0
+        for m in step.merges:
+            if m.rank == r:
+                shape = [sum(b - a for a, b in d) for d in m.block]
+                out[m.block] = flat[offset : offset + math.prod(shape)].reshape(shape)
+                offset += math.prod(shape)
+        return out
 
     pieces = _all_to_all(gather, world, _picker(before), local) if gather else _per_rank(lambda r, x: x.new_zeros(0), local)
+    reduced = _per_rank(merge, local, pieces)
 
-    def unpack(r, x, pieces, received=None):
-        out = x.new_zeros(after.local_shapes[r])
-        values = merged(r, x, pieces)
+    def unpack(r, flat, received=None):
+        out = flat.new_zeros(after.local_shapes[r])
+        mine = values(r, flat)
         for m in step.merges:
             if m.rank == r and m.keeps:
-                _assign(out, _positions(after.blocks[r], m.block), values[m.block])
+                _assign(out, _positions(after.blocks[r], m.block), mine[m.block])
         if received is not None:
             for t, piece in _received(step.transfers, r, received):
                 _assign(out, _positions(after.blocks[r], t.block), piece)
         return out
 
     if not step.transfers:
-        return _per_rank(unpack, local, pieces)
-    def results(r, x, pieces, outgoing):
-        values = merged(r, x, pieces)
-        return [values[t.block] for t in outgoing]
-
-    return _per_rank(unpack, local, pieces, _all_to_all(step.transfers, world, results, local, pieces))
+        return _per_rank(unpack, reduced)
+    results = lambda r, flat, outgoing: [values(r, flat)[t.block] for t in outgoing]
+    return _per_rank(unpack, reduced, _all_to_all(step.transfers, world, results, reduced))
 
 
 def _combine(values: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
