@@ -17,8 +17,10 @@ P = parse_placements
 
 
 def _dtensor(mesh, t, placements):
-    pieces = place(t, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=3)
-    local = enabled_local_tensor_mode().rank_map(lambda r: pieces[r])
+    mode = enabled_local_tensor_mode()
+    with mode.disable():  # plain tensors: `place` caches helper tensors, which must not belong to this mesh
+        pieces = place(t, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=3)
+    local = mode.rank_map(lambda r: pieces[r])
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
