@@ -3,7 +3,7 @@
 Data-moving steps pack each rank's outgoing pieces into one buffer and run one `all_to_all_single` with
 per-rank split sizes over the mesh's ranks (ranks outside a step's mesh dims exchange nothing), so the bytes on
 the wire are exactly the plan's. Reductions run on the mesh dim's process group (`all_reduce`,
-`reduce_scatter_tensor`). Under a simulated mesh every rank's part is computed in this process.
+`reduce_scatter_tensor`), or, for a reduce_exchange, as two such all-to-alls with a local reduction between. Under a simulated mesh every rank's part is computed in this process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ext._compat import LocalTensor, Partial, Replicate, enabled_local_tensor_mode, local_int
 from dtensor_ext.redistribute.layout import Layout, coordinates
-from dtensor_ext.redistribute.plan import Plan, Step
+from dtensor_ext.redistribute.plan import Plan, Step, Transfer
 
 __all__ = ["execute", "redistribute"]
 
@@ -79,40 +79,109 @@ def _check_mesh(mesh, plan: Plan) -> None:
         raise ValueError(f"the executor needs a mesh over all ranks in order 0..{dist.get_world_size() - 1}, got {ranks}")
 
 
+def _all_to_all(transfers, world: int, pack, *local):
+    """One all_to_all_single carrying `transfers`; pack(rank, *that rank's tensors, its outgoing transfers in
+    destination order) gives the tensors it sends. Returns the received buffer (pieces in source order)."""
+    sizes = [[0] * world for _ in range(world)]
+    for t in transfers:
+        sizes[t.src][t.dst] += _numel(t.block)
+    outgoing = {r: sorted((t for t in transfers if t.src == r), key=lambda t: t.dst) for r in range(world)}
+
+    def flat(r, *xs):
+        parts = [p.reshape(-1) for p in pack(r, *xs, outgoing[r])]
+        return torch.cat(parts) if parts else xs[0].new_zeros(0)
+
+    return funcol.all_to_all_single(
+        _per_rank(flat, *local),
+        [_rank_ints([sizes[src][dst] for dst in range(world)]) for src in range(world)],
+        [_rank_ints([sizes[src][dst] for src in range(world)]) for dst in range(world)],
+        dist.group.WORLD,
+    )
+
+
+def _received(transfers, rank: int, buffer: torch.Tensor):
+    """(transfer, its tensor) for each piece `rank` received, in the order `_all_to_all` laid them out."""
+    offset = 0
+    for t in sorted((t for t in transfers if t.dst == rank), key=lambda t: t.src):
+        shape = [sum(b - a for a, b in d) for d in t.block]
+        yield t, buffer[offset : offset + math.prod(shape)].reshape(shape)
+        offset += math.prod(shape)
+
+
+def _numel(block) -> int:
+    return math.prod(sum(b - a for a, b in d) for d in block)
+
+
+def _picker(before: Layout):
+    """pack function for `_all_to_all`: each outgoing transfer's elements cut from the sender's local tensor."""
+    return lambda r, x, outgoing: [_select(x, _positions(before.blocks[r], t.block)) for t in outgoing]
+
+
 def _exchange(local, step: Step, before: Layout, after: Layout, world: int):
-    outgoing = {r: sorted((t for t in step.transfers if t.src == r), key=lambda t: t.dst) for r in range(world)}
-    incoming = {r: sorted((t for t in step.transfers if t.dst == r), key=lambda t: t.src) for r in range(world)}
-    sizes_out = [[0] * world for _ in range(world)]
-    for t in step.transfers:
-        sizes_out[t.src][t.dst] += math.prod(sum(b - a for a, b in d) for d in t.block)
-
-    def pack(r, x):
-        parts = [_select(x, _positions(before.blocks[r], t.block)).reshape(-1) for t in outgoing[r]]
-        return torch.cat(parts) if parts else x.new_zeros(0)
-
-    def unpack(r, x, received):
+    def unpack(r, x, received=None):
         out = x.new_zeros(after.local_shapes[r])
         kept = after.overlap(r, before, r)
-        if math.prod(sum(b - a for a, b in d) for d in kept):
+        if _numel(kept):
             _assign(out, _positions(after.blocks[r], kept), _select(x, _positions(before.blocks[r], kept)))
-        offset = 0
-        for t in incoming[r]:
-            shape = [sum(b - a for a, b in d) for d in t.block]
-            n = math.prod(shape)
-            _assign(out, _positions(after.blocks[r], t.block), received[offset : offset + n].reshape(shape))
-            offset += n
+        if received is not None:
+            for t, piece in _received(step.transfers, r, received):
+                _assign(out, _positions(after.blocks[r], t.block), piece)
         return _zero_new_partials(r, out, step, before)
 
     if not step.transfers:
-        return _per_rank(lambda r, x: unpack(r, x, x.new_zeros(0)), local)
-    send = _per_rank(pack, local)
-    received = funcol.all_to_all_single(
-        send,
-        [_rank_ints([sizes_out[src][dst] for dst in range(world)]) for src in range(world)],
-        [_rank_ints([sizes_out[src][dst] for src in range(world)]) for dst in range(world)],
-        dist.group.WORLD,
-    )
-    return _per_rank(unpack, local, received)
+        return _per_rank(unpack, local)
+    return _per_rank(unpack, local, _all_to_all(step.transfers, world, _picker(before), local))
+
+
+def _reduce_exchange(local, step: Step, before: Layout, after: Layout, world: int):
+    """Partial pieces to the merging ranks, a local reduction there, the results to the ranks that need them."""
+    gather = [Transfer(src, m.rank, m.block) for m in step.merges for src in m.sources]
+    reduce_op = next(p.reduce_op for p, q in zip(step.before, step.after) if isinstance(p, Partial) and p != q)
+
+    def merge(r, x, pieces) -> torch.Tensor:
+        """The reduced values of every block rank r merges, flattened one after another in merge order."""
+        parts = {m.block: [_select(x, _positions(before.blocks[r], m.block))] for m in step.merges if m.rank == r}
+        for t, piece in _received(gather, r, pieces):
+            parts[t.block].append(piece)
+        flat = [_combine(values, reduce_op).reshape(-1) for values in parts.values()]
+        return torch.cat(flat) if flat else x.new_zeros(0)
+
+    def values(r, flat) -> dict:
+        """block -> its reduced value at rank r, as views into `merge`'s output."""
+        out, offset = {}, 0
+        for m in step.merges:
+            if m.rank == r:
+                shape = [sum(b - a for a, b in d) for d in m.block]
+                out[m.block] = flat[offset : offset + math.prod(shape)].reshape(shape)
+                offset += math.prod(shape)
+        return out
+
+    pieces = _all_to_all(gather, world, _picker(before), local) if gather else _per_rank(lambda r, x: x.new_zeros(0), local)
+    reduced = _per_rank(merge, local, pieces)
+
+    def unpack(r, flat, received=None):
+        out = flat.new_zeros(after.local_shapes[r])
+        mine = values(r, flat)
+        for m in step.merges:
+            if m.rank == r and m.keeps:
+                _assign(out, _positions(after.blocks[r], m.block), mine[m.block])
+        if received is not None:
+            for t, piece in _received(step.transfers, r, received):
+                _assign(out, _positions(after.blocks[r], t.block), piece)
+        return out
+
+    if not step.transfers:
+        return _per_rank(unpack, reduced)
+    results = lambda r, flat, outgoing: [values(r, flat)[t.block] for t in outgoing]
+    return _per_rank(unpack, reduced, _all_to_all(step.transfers, world, results, reduced))
+
+
+def _combine(values: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
+    stacked = torch.stack(values)
+    if reduce_op in ("sum", "avg"):
+        total = stacked.sum(0)
+        return total / len(values) if reduce_op == "avg" else total
+    return stacked.amax(0) if reduce_op == "max" else stacked.amin(0)
 
 
 def _zero_new_partials(rank: int, out: torch.Tensor, step: Step, before: Layout) -> torch.Tensor:
@@ -171,6 +240,8 @@ def execute(tensor: DTensor, plan: Plan) -> DTensor:
             local = _all_reduce(local, step, mesh)
         elif step.kind == "reduce_scatter":
             local = _reduce_scatter(local, step, mesh, before, after)
+        elif step.kind == "reduce_exchange":
+            local = _reduce_exchange(local, step, before, after, world)
         else:
             local = _exchange(local, step, before, after, world)
     if isinstance(local, funcol.AsyncCollectiveTensor):

@@ -17,7 +17,7 @@ from dtensor_ext._compat import Placement, StridedShard
 from dtensor_ext.redistribute.placements import is_shard
 from dtensor_ext.testing.layout import chunk_sizes
 
-__all__ = ["Intervals", "Layout", "coordinates", "intersect", "count"]
+__all__ = ["Intervals", "Layout", "coordinates", "intersect", "count", "split_block"]
 
 Intervals = tuple[tuple[int, int], ...]  # sorted, disjoint [start, stop) ranges along one tensor dim
 Block = tuple[Intervals, ...]  # one Intervals per tensor dim: the elements are their product
@@ -81,6 +81,15 @@ def intersect(x: Intervals, y: Intervals) -> Intervals:
 
 def count(block: Block) -> int:
     return math.prod(_length(d) for d in block)
+
+
+def split_block(block: Block, parts: int) -> list[Block]:
+    """At most `parts` non-empty disjoint pieces covering `block`, cut like torch.chunk along its longest dim."""
+    if not block:  # a 0-d tensor's single element
+        return [block]
+    dim = max(range(len(block)), key=lambda d: _length(block[d]))
+    pieces = [block[:dim] + (_chunk(block[dim], parts, i),) + block[dim + 1 :] for i in range(parts)]
+    return [p for p in pieces if count(p)]
 
 
 @dataclass(frozen=True)

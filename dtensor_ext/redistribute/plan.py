@@ -9,7 +9,7 @@ import torch
 from dtensor_ext._compat import Placement
 from dtensor_ext.redistribute.placements import format_placements
 
-__all__ = ["Transfer", "Step", "Plan"]
+__all__ = ["Transfer", "Merge", "Step", "Plan"]
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,19 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Merge:
+    """Rank `rank` combines its own partial value of `block` with one from each of `sources`, and keeps the
+    result if `keeps` (it needs those elements in the target layout)."""
+
+    rank: int
+    block: tuple
+    sources: tuple[int, ...]
+    keeps: bool
+
+
+@dataclass(frozen=True)
 class Step:
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | permute | local
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | permute | reduce_exchange | local
     mesh_dims: tuple[int, ...]
     before: tuple[Placement, ...] | None
     after: tuple[Placement, ...] | None
@@ -32,6 +43,8 @@ class Step:
     time_s: float
     transfers: tuple[Transfer, ...] = field(default=(), repr=False, compare=False)
     tensor_dim: int | None = None  # reduce_scatter: the dim it scatters
+    # reduce_exchange: pieces go to `merges` first (one all-to-all), then `transfers` carry the results
+    merges: tuple[Merge, ...] = field(default=(), repr=False, compare=False)
 
     def describe(self) -> str:
         dims = ",".join(map(str, self.mesh_dims)) or "-"
@@ -39,7 +52,7 @@ class Step:
         if self.before is not None and self.after is not None:
             change = f"{format_placements(self.before)} -> {format_placements(self.after)}"
         return (
-            f"{self.kind:<14} mesh dims ({dims:<5}) {change:<28} recv {_kib(max(self.recv_bytes, default=0))}"
+            f"{self.kind:<15} mesh dims ({dims:<5}) {change:<28} recv {_kib(max(self.recv_bytes, default=0))}"
             f"  buffer {_kib(self.buffer_bytes)}  {self.time_s * 1e6:9.1f} us"
         )
 

@@ -1,8 +1,9 @@
 """`plan(...)`: the naive, DTensor and optimal planners behind one entry point.
 
 The optimal planner is A* over placement tuples. Moves: single mesh dim all_reduce / reduce_scatter of Partial
-values, a data-moving step that changes one mesh dim's placement, and a data-moving step straight to the target
-(an all-to-all over the flattened mesh dims it spans, or a pairwise permute). The heuristic is the remaining
+values, a data-moving step that changes one mesh dim's placement, a data-moving step straight to the target
+(an all-to-all over the flattened mesh dims it spans, or a pairwise permute), and a reduce_exchange straight to
+the target (the Partial pieces to merging ranks, then the results to their owners). The heuristic is the remaining
 lower bound (bytes, times the cheapest beta for the time objective), which no sequence of steps can undercut,
 so the first plan popped is optimal within these moves. Steps whose buffer exceeds `max_peak_bytes` are pruned.
 """
@@ -90,6 +91,8 @@ def _moves(builder: StepBuilder, state, dst):
         for tensor_dim in range(len(builder.shape)):
             yield builder.reduce_scatter(state, mesh_dim, tensor_dim)
     yield builder.exchange(state, dst)
+    if pending:
+        yield builder.reduce_exchange(state, dst)
     options = [Replicate(), *(Shard(d) for d in range(len(builder.shape)))]
     for mesh_dim, current in enumerate(state):
         if isinstance(current, Partial):

@@ -2,7 +2,10 @@
 
 Data-moving steps are built from the layouts alone: every rank receives exactly the target elements it lacks,
 each from the holder closest to it on the mesh, so a step never moves an element twice. Reductions are single
-mesh dim all_reduce or reduce_scatter (padded like a ring collective to equal chunks).
+mesh dim all_reduce or reduce_scatter (padded like a ring collective to equal chunks), or a reduce_exchange
+that reduces several Partial mesh dims and moves to the target at once: every element's pieces go to ranks that
+hold one (ranks that need the element where any holds a piece), split evenly among them, and the sums go
+straight to the ranks that need them.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from functools import lru_cache
 import torch
 
 from dtensor_ext._compat import Partial, Placement, Replicate, Shard
-from dtensor_ext.redistribute.layout import Layout, coordinates, count
+from dtensor_ext.redistribute.layout import Layout, coordinates, count, intersect, split_block
 from dtensor_ext.redistribute.placements import is_shard
-from dtensor_ext.redistribute.plan import Step, Transfer
+from dtensor_ext.redistribute.plan import Merge, Step, Transfer
 
 __all__ = ["StepBuilder", "replace_placement"]
 
@@ -70,24 +73,27 @@ class StepBuilder:
                 peers_out[src].add(dst)
                 spanned.update(j for j in range(len(self.mesh_shape)) if self.coords[src][j] != self.coords[dst][j])
         mesh_dims = tuple(sorted(spanned))
-        most = max(recv)
         if not transfers:
             kind, time_s = "local", 0.0
         else:
             grows = all(count(after.overlap(r, before, r)) == before.local_numel(r) for r in range(self.world))
-            if grows:
-                kind = "all_gather"
-            elif max(map(len, peers_in)) <= 1 and max(map(len, peers_out)) <= 1:
-                kind = "permute"
-            else:
-                kind = "all_to_all"
-            n = self._group_size(mesh_dims)
-            peers = max(map(len, peers_in))
-            if kind != "permute" and peers == n - 1:
-                time_s = self.cost.collective_time(kind, mesh_dims, -(-most * n // (n - 1)))
-            else:  # fewer partners than a ring: one pairwise round per partner
-                time_s = peers * self.cost.collective_time("permute", mesh_dims, -(-most // peers))
+            kind = "all_gather" if grows else self._move_kind(peers_in, peers_out)
+            time_s = self._move_time(kind, mesh_dims, recv, peers_in)
         return Step(kind, mesh_dims, a, b, tuple(recv), self.buffer_bytes(b), time_s, tuple(transfers))
+
+    @staticmethod
+    def _move_kind(peers_in, peers_out) -> str:
+        return "permute" if max(map(len, peers_in)) <= 1 and max(map(len, peers_out)) <= 1 else "all_to_all"
+
+    def _move_time(self, kind: str, mesh_dims, recv, peers_in) -> float:
+        most, peers = max(recv), max(map(len, peers_in))
+        if not peers:
+            return 0.0
+        n = self._group_size(mesh_dims)
+        if kind != "permute" and peers == n - 1:
+            return self.cost.collective_time(kind, mesh_dims, -(-most * n // (n - 1)))
+        # fewer partners than a ring: one pairwise round per partner
+        return peers * self.cost.collective_time("permute", mesh_dims, -(-most // peers))
 
     def _distance(self, r: int, s: int) -> int:
         return sum(x != y for x, y in zip(self.coords[r], self.coords[s]))
@@ -120,3 +126,71 @@ class StepBuilder:
             padded.append(n * chunk)
         time_s = self.cost.collective_time("reduce_scatter", (mesh_dim,), max(padded))
         return Step("reduce_scatter", (mesh_dim,), a, b, tuple(recv), self.buffer_bytes(b), time_s, (), tensor_dim)
+
+    def reduce_exchange(self, a: tuple[Placement, ...], b: tuple[Placement, ...]) -> Step | None:
+        """Reduce every Partial mesh dim of `a` that `b` drops and land in `b`: one all-to-all of partial pieces
+        to the merging ranks, a local reduction, one all-to-all of the results. None where `b` adds a Partial or
+        the dropped Partials mix reduce ops (their order would matter)."""
+        reduced = [j for j, (p, q) in enumerate(zip(a, b)) if isinstance(p, Partial) and p != q]
+        if not reduced or len({a[j].reduce_op for j in reduced}) > 1:
+            return None
+        if any(isinstance(q, Partial) and q != p for p, q in zip(a, b)):
+            return None
+        before, after = self.layout(a), self.layout(b)
+        kept = [j for j, p in enumerate(b) if isinstance(p, Partial)]
+        classes: dict[tuple[int, ...], list[int]] = {}
+        for rank, coord in enumerate(self.coords):
+            classes.setdefault(tuple(coord[j] for j in kept), []).append(rank)
+        merges, transfers = [], []
+        gathered, recv = [0] * self.world, [0] * self.world
+        peers = {phase: ([set() for _ in range(self.world)], [set() for _ in range(self.world)]) for phase in (1, 2)}
+        spanned = set()
+
+        def send(phase, src, dst, elements):
+            (recv if phase == 2 else gathered)[dst] += elements * self.itemsize
+            peers[phase][0][dst].add(src)
+            peers[phase][1][src].add(dst)
+            spanned.update(j for j in range(len(self.mesh_shape)) if self.coords[src][j] != self.coords[dst][j])
+
+        for members in classes.values():
+            needers, holders = self._group_by_block(after, members), self._group_by_block(before, members)
+            for target_block, needing in needers.items():
+                for source_block, holding in holders.items():
+                    atom = tuple(intersect(x, y) for x, y in zip(target_block, source_block))
+                    if not count(atom):
+                        continue
+                    pieces: dict[tuple[int, ...], list[int]] = {}
+                    for r in holding:
+                        pieces.setdefault(tuple(self.coords[r][j] for j in reduced), []).append(r)
+                    mergers = [r for r in needing if r in holding] or holding
+                    for merger, chunk in zip(mergers, split_block(atom, len(mergers))):
+                        own = tuple(self.coords[merger][j] for j in reduced)
+                        sources = tuple(
+                            min(ranks, key=lambda r: (self._distance(r, merger), r))
+                            for key, ranks in sorted(pieces.items())
+                            if key != own
+                        )
+                        merges.append(Merge(merger, chunk, sources, merger in needing))
+                        for src in sources:
+                            send(1, src, merger, count(chunk))
+                        for dst in needing:
+                            if dst != merger:
+                                transfers.append(Transfer(merger, dst, chunk))
+                                send(2, merger, dst, count(chunk))
+        mesh_dims = tuple(sorted(spanned))
+        time_s = sum(
+            self._move_time(self._move_kind(*peers[phase]), mesh_dims, per_rank, peers[phase][0])
+            for phase, per_rank in ((1, gathered), (2, recv))
+        )
+        total = tuple(x + y for x, y in zip(gathered, recv))
+        buffer = max(self.buffer_bytes(b), max(gathered))  # the pieces a merging rank holds before reducing them
+        return Step("reduce_exchange", mesh_dims, a, b, total, buffer, time_s, tuple(transfers), merges=tuple(merges))
+
+    @staticmethod
+    def _group_by_block(layout: Layout, ranks) -> dict[tuple, list[int]]:
+        """Non-empty local block -> the ranks (among `ranks`) holding it."""
+        out: dict[tuple, list[int]] = {}
+        for r in ranks:
+            if layout.local_numel(r):
+                out.setdefault(layout.blocks[r], []).append(r)
+        return out

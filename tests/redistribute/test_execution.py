@@ -2,10 +2,12 @@ import math
 
 import torch
 from hypothesis import given, note
+from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 from dtensor_ext._compat import Replicate, Shard, enabled_local_tensor_mode
 from dtensor_ext.redistribute import parse_placements, plan, redistribute
+from dtensor_ext.redistribute.layout import count
 from dtensor_ext.redistribute.measure import CollectiveRecorder
 from dtensor_ext.testing import local_values, rank_coordinates, simulated_mesh
 from dtensor_ext.testing.layout import place, reassemble
@@ -15,8 +17,10 @@ P = parse_placements
 
 
 def _dtensor(mesh, t, placements):
-    pieces = place(t, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=3)
-    local = enabled_local_tensor_mode().rank_map(lambda r: pieces[r])
+    mode = enabled_local_tensor_mode()
+    with mode.disable():  # plain tensors: `place` caches helper tensors, which must not belong to this mesh
+        pieces = place(t, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=3)
+    local = mode.rank_map(lambda r: pieces[r])
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
@@ -25,16 +29,16 @@ def _same(a: DTensor, b: DTensor) -> bool:
     return a.placements == b.placements and all(torch.allclose(x[r], y[r], atol=1e-5) for r in x)
 
 
-@given(execution_requests())
-def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request):
+@given(execution_requests(), st.sampled_from(["time", "bytes"]))
+def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request, objective):
     mesh_shape, shape, src, dst = request
     t = torch.randn(shape)
-    chosen = plan(shape, mesh_shape, src, dst)
+    chosen = plan(shape, mesh_shape, src, dst, objective=objective)
     with simulated_mesh(mesh_shape) as mesh:
         x = _dtensor(mesh, t, src)
         recorder = CollectiveRecorder()
         with recorder:
-            ours = redistribute(x, dst)
+            ours = redistribute(x, dst, objective=objective)
         assert ours.placements == tuple(dst)
         assert torch.allclose(reassemble(local_values(ours), dst, mesh.mesh, shape), t, atol=1e-5)
         try:
@@ -43,12 +47,27 @@ def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request):
             note(f"DTensor.redistribute failed: {exc}")
         else:
             assert _same(ours, theirs)
-    # the data-moving collectives carried exactly the bytes the plan claims for them
-    moved = [s for s in chosen.steps if s.kind in ("all_gather", "all_to_all", "permute")]
+    # the data-moving collectives carried exactly the bytes the plan claims for them, rank by rank
     a2a = [c for c in recorder.calls if c[0] == "all_to_all"]
-    assert len(a2a) == len(moved)
-    for step, (_, _, _, outputs, _) in zip(moved, a2a):
-        assert max(math.prod(s) for s in outputs.values()) * 4 == max(step.recv_bytes)
+    claimed = _claimed_all_to_alls(chosen)
+    assert len(a2a) == len(claimed)
+    for per_rank, (_, _, _, outputs, _) in zip(claimed, a2a):
+        assert tuple(math.prod(outputs[r]) * 4 for r in range(len(per_rank))) == per_rank
+
+
+def _claimed_all_to_alls(chosen) -> list[tuple[int, ...]]:
+    """Per-rank received bytes of each all_to_all the plan's data-moving steps should issue, in order."""
+    out = []
+    for step in chosen.steps:
+        if step.kind in ("all_gather", "all_to_all", "permute"):
+            out.append(step.recv_bytes)
+        elif step.kind == "reduce_exchange":
+            pieces = [0] * len(step.recv_bytes)
+            for m in step.merges:
+                pieces[m.rank] += len(m.sources) * count(m.block) * 4
+            results = tuple(total - p for total, p in zip(step.recv_bytes, pieces))
+            out.extend(phase for phase in (tuple(pieces), results) if any(phase))
+    return out
 
 
 def test_uneven_3d_transpose_and_strided_source():
@@ -106,3 +125,14 @@ def test_avg_and_min_partials_reduce_like_dtensor():
             ours = redistribute(x, P(dst))
             assert _same(ours, x.redistribute(mesh, P(dst))), (src, dst)
             assert torch.allclose(reassemble(local_values(ours), P(dst), mesh.mesh, (5, 6)), t, atol=1e-5)
+
+
+def test_reduce_exchange_merges_pieces_where_they_are_needed():
+    """P(sum),S0,S1 -> S1,S0,R: each element is summed on the rank that needs it and holds a piece, then copied."""
+    shape = (7, 5)
+    chosen = plan(shape, (2, 2, 2), P("P(sum),S0,S1"), P("S1,S0,R"), objective="bytes")
+    assert [s.kind for s in chosen.steps] == ["reduce_exchange"]
+    t = torch.randn(shape)
+    with simulated_mesh((2, 2, 2)) as mesh:
+        x = _dtensor(mesh, t, P("P(sum),S0,S1"))
+        assert _same(redistribute(x, P("S1,S0,R"), objective="bytes"), x.redistribute(mesh, P("S1,S0,R")))
