@@ -10,12 +10,13 @@ checkerboard decides which rank holds the true value and the others hold values 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
 import torch
 
-from dtensor_ext._compat import Partial, Placement, Replicate, Shard
+from dtensor_ext._compat import Partial, Placement, Replicate, Shard, current_local_tensor_mode
 
 __all__ = ["chunk_sizes", "place", "reassemble", "LayoutMismatch"]
 
@@ -35,9 +36,19 @@ def chunk_sizes(size: int, parts: int) -> list[int]:
     return sizes
 
 
-@functools.lru_cache(maxsize=4096)
 def _pattern(shape: tuple[int, ...], salt: int, period: int = 2) -> torch.Tensor:
-    """0..period-1 cycling along every dim (a flat-index pattern can be uniform along one dim). Never mutate."""
+    """0..period-1 cycling along every dim (a flat-index pattern can be uniform along one dim). Never mutate.
+
+    Always a plain tensor, even when called inside a simulated mesh, so the cache never hands one mesh's
+    per-rank tensor to another.
+    """
+    mode = current_local_tensor_mode()
+    with mode.disable() if mode is not None else contextlib.nullcontext():
+        return _plain_pattern(shape, salt, period)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_pattern(shape: tuple[int, ...], salt: int, period: int) -> torch.Tensor:
     if len(shape) == 0:
         return torch.tensor(salt % period)
     grids = torch.meshgrid(*[torch.arange(s) for s in shape], indexing="ij")

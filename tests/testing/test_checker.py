@@ -103,3 +103,15 @@ def test_ops_whose_output_count_depends_on_the_shard_are_judged_not_crashed():
     report = check_rule(aten.unbind.int, (sample_tensor((3, 2)), 0), mesh_shape=(2,),
                         rule=lambda op, a, k: [[ShardingPlaceholder(0), ShardingPlaceholder(0)]])
     assert not report.ok and "different numbers of outputs" in report.failures[0].reason
+
+
+def test_partial_layouts_made_inside_a_mesh_do_not_leak_into_another():
+    from dtensor_ext.testing import simulated_mesh
+
+    tensor = sample_tensor((3, 5))
+    for mesh_shape in ((2,), (4,)):
+        with simulated_mesh(mesh_shape):
+            coords = {r: (r,) for r in range(mesh_shape[0])}
+            pieces = place(tensor, (Partial("max"),), mesh_shape, coords)
+        torch.testing.assert_close(reassemble(pieces, (Partial("max"),), torch.arange(mesh_shape[0]), tensor.shape),
+                                   tensor)
