@@ -266,8 +266,10 @@ def flat_collectives():
 
 
 def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str, Any], placements) -> set[tuple]:
-    """What torch's own op_strategy for `op` offers when its tensor inputs are placed as given.
+    """What torch's own strategy for `op` offers when its tensor inputs are placed as given.
 
+    Works whether torch shards `op` with an op_strategy function or (2.14+ for cat, cumsum, scatter_add,
+    logsumexp...) a single-dim rule, which is expanded over the mesh by torch's own full expansion.
     args/kwargs hold real tensors (or lists of them); placements gives one placement tuple per tensor, in
     pytree-flattened order. Returns rows (output placements..., input placements...), one placement tuple each,
     so that a rule of ours can be shown to cover everything torch's rule would pick.
@@ -277,17 +279,39 @@ def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str
 
     placement_iter = iter(placements)
 
-    def as_strategy(x):
+    def as_spec(x):
         if isinstance(x, torch.Tensor):
-            spec = DTensorSpec(mesh, tuple(next(placement_iter)), tensor_meta=tensor_meta(x))
-            return OpStrategy([OpSpec(spec)])
+            return DTensorSpec(mesh, tuple(next(placement_iter)), tensor_meta=tensor_meta(x))
         if isinstance(x, (list, tuple)) and x and all(isinstance(e, torch.Tensor) for e in x):
-            return TupleStrategy([as_strategy(e) for e in x])
+            return [as_spec(e) for e in x]
         return x
 
-    args_schema = tuple(as_strategy(a) for a in args)
-    kwargs_schema = {k: as_strategy(v) for k, v in kwargs.items()}
-    result = propagator().op_strategy_funcs[op](OpSchema(op, args_schema, kwargs_schema))
+    prop = propagator()
+    info = prop.op_single_dim_strategy_funcs.get(op)
+    schema_info = prop.op_to_schema_info_for_single_dim_strategy.get(op) if info is not None else None
+    spec_schema = OpSchema(
+        op, tuple(as_spec(a) for a in args), {k: as_spec(v) for k, v in kwargs.items()}, schema_info=schema_info
+    )
+    if info is not None:
+        strategy_schema = prop._wrap_with_op_strategy(spec_schema)
+        out_meta = prop._propagate_tensor_meta_non_cached(spec_schema)
+        expand = _sds._expand_single_dim_strategy_to_mesh  # torch's full expansion, even with ours swapped in
+        result = expand(mesh, strategy_schema, info, out_meta)(
+            op, strategy_schema.args_meta, strategy_schema.kwargs_meta
+        )
+    else:
+
+        def as_strategy(x):
+            if isinstance(x, DTensorSpec):
+                return OpStrategy([OpSpec(x)])
+            if isinstance(x, list) and x and all(isinstance(e, DTensorSpec) for e in x):
+                return TupleStrategy([as_strategy(e) for e in x])
+            return x
+
+        result = prop.op_strategy_funcs[op](
+            OpSchema(op, tuple(as_strategy(a) for a in spec_schema.args_schema),
+                     {k: as_strategy(v) for k, v in spec_schema.kwargs_schema.items()})
+        )
     rows = set()
     for spec in result.strategies:
         outputs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
