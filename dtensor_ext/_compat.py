@@ -395,3 +395,9 @@ def local_int(values: dict[int, int]):
     from torch.distributed._local_tensor import LocalIntNode
 
     return torch.SymInt(LocalIntNode(values))
+
+
+def custom_op_handler(op: OpOverload):
+    """The function DTensor's dispatcher runs for `op` in place of its generic path (propagate, redistribute,
+    run locally), or None; such a handler must apply any redistribution itself."""
+    return DTensor._op_dispatcher._custom_op_handlers.get(op)
