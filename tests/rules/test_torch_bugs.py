@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
 from dtensor_ext._compat import custom_op_handler, torch_strategy_kind
@@ -36,8 +37,8 @@ def _conv_handler_is_torchs() -> bool:
 
 @pytest.mark.parametrize(
     "conv, weight_shape, weight_in_dim",
-    [(F.conv1d, (6, 4, 3), 1), (F.conv_transpose1d, (4, 6, 3), 0)],
-    ids=["conv1d", "conv_transpose1d"],
+    [(F.conv1d, (6, 4, 3), 1), (F.conv2d, (6, 4, 3, 3), 1), (F.conv_transpose1d, (4, 6, 3), 0)],
+    ids=["conv1d", "conv2d", "conv_transpose1d"],
 )
 def test_convolution_handler_ignores_the_redistribution_it_asked_for(package_state, conv, weight_shape, weight_in_dim):
     """torch's convolution handler (_tp_conv.convolution_handler) propagates the sharding, which chooses to
@@ -48,11 +49,14 @@ def test_convolution_handler_ignores_the_redistribution_it_asked_for(package_sta
     assert _conv_handler_is_torchs(), "torch no longer handles aten.convolution in _tp_conv: recheck the bug"
     assert torch_strategy_kind(aten.convolution.default) == "single_dim"
     torch.manual_seed(0)
-    x, w = torch.randn(2, 4, 8), torch.randn(*weight_shape)
+    x, w = torch.randn(2, 4, *[8] * (len(weight_shape) - 2)), torch.randn(*weight_shape)
     expected = conv(x, w)
     with simulated_mesh((4,)) as mesh:
-        out = conv(place_dtensor(x, mesh, [Shard(1)]), place_dtensor(w, mesh, [Shard(weight_in_dim)]))
+        x_d, w_d = place_dtensor(x, mesh, [Shard(1)]), place_dtensor(w, mesh, [Shard(weight_in_dim)])
+        with CommDebugMode() as comms:
+            out = conv(x_d, w_d)
         assert out.placements == (Replicate(),)
+        assert comms.get_total_counts() == 0, "the all-gathers the Replicate output needs were never run"
         per_rank = local_values(out.full_tensor())
     assert all(not torch.allclose(v, expected, atol=1e-4) for v in per_rank.values())
     # Each rank holds the contribution of its own input channel: the claimed Replicate is really Partial(sum).
