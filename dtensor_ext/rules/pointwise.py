@@ -246,3 +246,10 @@ def sample_loss_backward_rule(op, args, kwargs):
     extra = [ShardingPlaceholder(0) if op.name() == "aten::multilabel_margin_loss_backward" else Replicate()
              for _ in tensors[3:]]  # multilabel's is_target [N, C]; multi_margin's weight [C]
     return rows + [[ShardingPlaceholder(0), grad, ShardingPlaceholder(0), ShardingPlaceholder(0), *extra]]
+
+
+@single_dim_rule("aten::_conj_physical", family=FAMILY)
+def conj_physical_rule(op, args, kwargs):
+    """The materialised complex conjugate (fft.ihfft2/ihfftn call it): elementwise, and it commutes with sums
+    (not offered for avg: a complex Partial(avg) cannot be reduced on CPU)."""
+    return [[row[0], row[0]] for row in elementwise_rows([args[0]])] + [[Partial("sum"), Partial("sum")]]

@@ -258,3 +258,10 @@ def test_margin_losses_and_backward_proven(mesh_shape, data):
     assert_proven(aten.multilabel_margin_loss_backward.default, [grad, x, labels, reduction, is_target],
                   rule=pointwise.sample_loss_backward_rule, mesh_shape=mesh_shape)
 
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=0, max_dims=3))
+def test_conj_physical_proven(mesh_shape, shape):
+    x = torch.complex(sample_tensor(shape), sample_tensor(shape, seed=1))
+    assert_proven(aten._conj_physical.default, [x], rule=pointwise.conj_physical_rule, mesh_shape=mesh_shape)
