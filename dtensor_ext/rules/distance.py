@@ -1,4 +1,4 @@
-"""Pairwise distances (torch.cdist): x1 [*B, P, M] and x2 [*B, R, M] give [*B, P, R].
+"""Pairwise distances (torch.cdist; F.pdist below): x1 [*B, P, M] and x2 [*B, R, M] give [*B, P, R].
 
 A distance is a p-norm over the feature dim M, which is not linear: no shard of M adds up to the distance, so
 M is sharded forward only for p in {0, 1, inf}, where the distance is a sum or max of per-feature terms. Each (batch, row of x1, row of x2) cell depends on its own two rows only, so the
@@ -75,3 +75,20 @@ def cdist_backward_rule(op, args, kwargs):
     rows.append([ShardingPlaceholder(out_m), Replicate(), ShardingPlaceholder(m1), ShardingPlaceholder(m2),
                  Replicate()])
     return rows + linear_rows
+
+
+@single_dim_rule("aten::_pdist_forward", family=FAMILY, schema_info=RuntimeSchemaInfo(1))
+def pdist_rule(op, args, kwargs):
+    """(self [N, M], p) -> the N * (N - 1) / 2 distances between rows: every output mixes two rows, so only the
+    feature dim shards, and only for the p-norms that reduce per-feature terms."""
+    p = args[1] if len(args) > 1 else kwargs.get("p", 2.0)
+    reduction = _FEATURE_REDUCTION.get(float(p))
+    return [] if reduction is None else [[Partial(reduction), ShardingPlaceholder(1)]]
+
+
+@single_dim_rule("aten::_pdist_backward", family=FAMILY, schema_info=RuntimeSchemaInfo(2))
+def pdist_backward_rule(op, args, kwargs):
+    """(grad, self, p, pdist) -> grad_self [N, M]: given the distances, elementwise in M (grad and pdist whole);
+    linear in grad."""
+    rows = [[ShardingPlaceholder(1), Replicate(), ShardingPlaceholder(1), Replicate()]]
+    return rows + [[Partial(r), Partial(r), Replicate(), Replicate()] for r in ("sum", "avg")]

@@ -1,4 +1,4 @@
-"""Proofs for the distance family: cdist forward and backward, batch dims broadcast, several p."""
+"""Proofs for the distance family: cdist and pdist, forward and backward, batch dims broadcast, several p."""
 
 from __future__ import annotations
 
@@ -49,3 +49,14 @@ def test_cdist_backward_proven(mesh_shape, sample):
 
 def test_torch_validator_finds_no_wrong_cdist_rule():
     assert_torch_validator_agrees("cdist")
+
+
+@PROVING_MESHES
+@given(shape=st.tuples(st.integers(1, 5), st.integers(1, 4)), p=st.sampled_from(NORMS))
+def test_pdist_and_backward_proven(mesh_shape, shape, p):
+    x = sample_tensor(shape)
+    assert_proven(aten._pdist_forward.default, [x, p], rule=distance.pdist_rule, mesh_shape=mesh_shape)
+    dist = aten._pdist_forward(x, p)
+    grad = sample_tensor(dist.shape, seed=2)
+    assert_proven(aten._pdist_backward.default, [grad, x, p, dist], rule=distance.pdist_backward_rule,
+                  mesh_shape=mesh_shape)
