@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dtensor_ext._compat import Partial, Replicate, RuntimeSchemaInfo, ShardingPlaceholder
+from dtensor_ext._compat import Partial, RuntimeSchemaInfo, ShardingPlaceholder
 from dtensor_ext.registry import single_dim_rule
 
 FAMILY = "reductions"
@@ -85,22 +85,3 @@ def cumsum_rule(op, args, kwargs):
     rows = [[ShardingPlaceholder(d), ShardingPlaceholder(d)] for d in range(ndim) if d != scanned]
     return rows + [[Partial(r), Partial(r)] for r in ("sum", "avg")]
 
-
-
-
-@single_dim_rule("aten::segment_reduce", family=FAMILY, schema_info=RuntimeSchemaInfo(1, static_kwargkey=["axis"]),
-                 allow_uneven_sharding=False)
-def segment_reduce_rule(op, args, kwargs):
-    """segment_reduce(data, reduce, *, lengths | offsets, axis): reduces runs of `axis` independently for every
-    other index. A dim before `axis` shards data, result and lengths/offsets (they carry those dims); a dim after
-    it shards data and result with lengths/offsets whole. Even shards only: the kernel's input check fails on
-    empty lengths."""
-    data = args[0]
-    axis = kwargs.get("axis", 0) % len(data.shape)
-    segments = [t for t in (kwargs.get("lengths"), kwargs.get("indices"), kwargs.get("offsets")) if t is not None]
-    rows = []
-    for d in range(len(data.shape)):
-        if d != axis:
-            per_segment = ShardingPlaceholder(d) if d < axis else Replicate()
-            rows.append([ShardingPlaceholder(d), ShardingPlaceholder(d), *([per_segment] * len(segments))])
-    return rows

@@ -125,32 +125,3 @@ def test_end_to_end_reductions(installed):
     torch.testing.assert_close(counts_full, torch.count_nonzero(ints, dim=1))
     assert lse_placements == (Shard(1), Shard(2))
     torch.testing.assert_close(lse_full, torch.logsumexp(x, 0, keepdim=True))
-
-
-@st.composite
-def segment_samples(draw, mesh_size):
-    """data with every dim but `axis` a multiple of the mesh size (even shards only), and per outer index a split
-    of the axis into segments, as lengths or as offsets."""
-    ndim = draw(st.integers(1, 3))
-    axis = draw(st.integers(0, ndim - 1))
-    shape = [draw(st.integers(1, 4)) if d == axis else mesh_size * draw(st.integers(1, 2)) for d in range(ndim)]
-    segments = draw(st.integers(1, 3))
-    outer = shape[:axis]
-    generator = torch.Generator().manual_seed(draw(st.integers(0, 99)))
-    cuts = torch.randint(0, shape[axis] + 1, (*outer, segments - 1), generator=generator).sort(-1).values
-    zeros, full = torch.zeros((*outer, 1), dtype=torch.long), torch.full((*outer, 1), shape[axis])
-    offsets = torch.cat([zeros, cuts, full], -1)
-    segment = {"offsets": offsets} if draw(st.booleans()) else {"lengths": offsets.diff(dim=-1)}
-    reduce = draw(st.sampled_from(["sum", "mean", "max", "min", "prod"]))
-    return sample_tensor(shape), reduce, {**segment, "axis": axis, "unsafe": False, "initial": 0.0}
-
-
-@PROVING_MESHES
-@given(data=st.data())
-def test_segment_reduce_proven(mesh_shape, data):
-    mesh_size = 1
-    for size in mesh_shape:
-        mesh_size *= size
-    x, reduce, kwargs = data.draw(segment_samples(mesh_size))
-    assert_proven(aten.segment_reduce.default, [x, reduce], kwargs, rule=reductions.segment_reduce_rule,
-                  mesh_shape=mesh_shape)
