@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from hypothesis import given
@@ -164,9 +165,7 @@ def im2col_samples(draw, mesh_size):
 @PROVING_MESHES
 @given(data=st.data())
 def test_im2col_and_col2im_proven(mesh_shape, data):
-    mesh_size = 1
-    for size in mesh_shape:
-        mesh_size *= size
+    mesh_size = math.prod(mesh_shape)
     shape, *window = data.draw(im2col_samples(mesh_size))
     x = sample_tensor(shape)
     assert_proven(aten.im2col.default, [x, *window], rule=concat.im2col_rule, mesh_shape=mesh_shape)

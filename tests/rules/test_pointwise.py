@@ -3,6 +3,7 @@ margin losses."""
 
 from __future__ import annotations
 
+import math
 import torch
 import torch.nn.functional as F
 from hypothesis import given
@@ -240,9 +241,7 @@ def margin_loss_samples(draw, mesh_size):
 @PROVING_MESHES
 @given(data=st.data())
 def test_margin_losses_and_backward_proven(mesh_shape, data):
-    mesh_size = 1
-    for size in mesh_shape:
-        mesh_size *= size
+    mesh_size = math.prod(mesh_shape)
     x, target, labels, weight, reduction = data.draw(margin_loss_samples(mesh_size))
     even = x.dim() == 1 or x.shape[0] % mesh_size == 0
     margin_args = [x, target, 1, 1.0, weight, reduction]
