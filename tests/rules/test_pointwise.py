@@ -4,6 +4,7 @@ margin losses."""
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from hypothesis import given
