@@ -209,7 +209,10 @@ def prelu_backward_rule(op, args, kwargs):
 # Per-sample losses over class scores [N, C] (or one sample [C]): each sample's loss reads its whole row, so only
 # the batch dim N shards; where the `reduction` argument sits, forward and backward.
 _SAMPLE_LOSS_REDUCTION_ARG = {"aten::multi_margin_loss": 5, "aten::multilabel_margin_loss_forward": 2}
-_SAMPLE_LOSS_BACKWARD_REDUCTION_ARG = {"aten::multi_margin_loss_backward": 6, "aten::multilabel_margin_loss_backward": 3}
+_SAMPLE_LOSS_BACKWARD_REDUCTION_ARG = {
+    "aten::multi_margin_loss_backward": 6,
+    "aten::multilabel_margin_loss_backward": 3,
+}
 
 
 @single_dim_rule(list(_SAMPLE_LOSS_REDUCTION_ARG), family=FAMILY, schema_info=RuntimeSchemaInfo(2),
