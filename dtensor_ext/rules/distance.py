@@ -1,9 +1,9 @@
 """Pairwise distances (torch.cdist; F.pdist below): x1 [*B, P, M] and x2 [*B, R, M] give [*B, P, R].
 
-A distance is a p-norm over the feature dim M, which is not linear: no shard of M adds up to the distance, so
-M is sharded forward only for p in {0, 1, inf}, where the distance is a sum or max of per-feature terms. Each
-(batch, row of x1, row of x2) cell depends on its own two rows only, so the
-batch dims and the row dims P and R shard freely.
+A distance is a p-norm over the feature dim M, which is not linear: in general the distances of M's shards do
+not combine into the distance, so M shards forward only for p in {0, 1, inf}, where the distance is a sum or max
+of per-feature terms. Each (batch, row of x1, row of x2) cell depends on its own two rows only, so the batch dims
+and the row dims P and R shard freely.
 """
 
 from __future__ import annotations
