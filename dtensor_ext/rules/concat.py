@@ -88,3 +88,21 @@ def unfold_rule(op, args, kwargs):
     dimension %= ndim
     rows = [[ShardingPlaceholder(d), ShardingPlaceholder(d)] for d in range(ndim) if d != dimension]
     return rows + _same_partial_rows(2)
+
+
+# im2col pads with zeros, which commutes with a sum or mean but not with a max or min.
+_ZERO_PADDED_REDUCTIONS = ("sum", "avg")
+
+
+@single_dim_rule(["aten::im2col", "aten::col2im"], family=FAMILY, schema_info=RuntimeSchemaInfo(1),
+                 allow_uneven_sharding=False)
+def im2col_rule(op, args, kwargs):
+    """F.unfold / F.fold: [N, C, H, W] <-> [N, C * kh * kw, L] (batch dim optional). Both copy (col2im also adds
+    overlapping windows) within one sample and one channel, so the batch dim and the channel dim shard; channel c
+    owns the block [c * kh * kw, (c + 1) * kh * kw) of the column dim, so a channel shard is a column shard when
+    the shards are even (hence even shards only)."""
+    batched = len(args[0].shape) == (4 if op.name() == "aten::im2col" else 3)
+    rows = [[ShardingPlaceholder(0), ShardingPlaceholder(0)]] if batched else []
+    channel = 1 if batched else 0
+    rows.append([ShardingPlaceholder(channel), ShardingPlaceholder(channel)])
+    return rows + [[Partial(r), Partial(r)] for r in _ZERO_PADDED_REDUCTIONS]

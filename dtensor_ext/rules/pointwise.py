@@ -204,3 +204,55 @@ def prelu_backward_rule(op, args, kwargs):
     grad_weight down afterwards): elementwise, and linear in grad_output."""
     rows = [[row[0], *row] for row in elementwise_rows(list(args[:3]))]
     return rows + [[Partial(r), Partial(r), Partial(r), Replicate(), Replicate()] for r in ("sum", "avg")]
+
+
+# Per-sample losses over class scores [N, C] (or one sample [C]): each sample's loss reads its whole row, so only
+# the batch dim N shards; where the `reduction` argument sits, forward and backward.
+_SAMPLE_LOSS_REDUCTION_ARG = {"aten::multi_margin_loss": 5, "aten::multilabel_margin_loss_forward": 2}
+_SAMPLE_LOSS_BACKWARD_REDUCTION_ARG = {
+    "aten::multi_margin_loss_backward": 6,
+    "aten::multilabel_margin_loss_backward": 3,
+}
+
+
+@single_dim_rule(list(_SAMPLE_LOSS_REDUCTION_ARG), family=FAMILY, schema_info=RuntimeSchemaInfo(2),
+                 allow_uneven_sharding=False)
+def sample_loss_rule(op, args, kwargs):
+    """(self, target, ...) -> loss per sample [N] (plus multilabel's is_target [N, C]): unreduced, the batch dim
+    shards throughout; summed, each shard's sum is a piece (Partial(sum)); a mean is left whole.
+
+    Even shards only: torch 2.13's CPU kernels return an uninitialised value when summing an empty batch, and
+    uneven shards can be empty."""
+    reduction = _reduction(op, args, kwargs, _SAMPLE_LOSS_REDUCTION_ARG)
+    self, target = args[0], args[1]
+    if len(self.shape) < 2 or reduction == MEAN:
+        return []
+    weight = [Replicate()] * (len(_tensors(args)) - 2)  # multi_margin_loss's class weight [C]
+    inputs = [ShardingPlaceholder(0), ShardingPlaceholder(0), *weight]
+    loss = ShardingPlaceholder(0) if reduction == NO_REDUCTION else Partial("sum")
+    is_target = [ShardingPlaceholder(0)] if op.name() == "aten::multilabel_margin_loss_forward" else []
+    return [[loss, *is_target, *inputs]]
+
+
+@single_dim_rule(list(_SAMPLE_LOSS_BACKWARD_REDUCTION_ARG), family=FAMILY, schema_info=RuntimeSchemaInfo(3))
+def sample_loss_backward_rule(op, args, kwargs):
+    """(grad_output, self, target, ...) -> grad_input [N, C], linear in grad_output. The batch dim shards unless
+    the loss was a mean (its gradient divides by the global N); a summed loss's grad_output is a replicated
+    scalar."""
+    reduction = _reduction(op, args, kwargs, _SAMPLE_LOSS_BACKWARD_REDUCTION_ARG)
+    tensors = _tensors(args)
+    rest = [Replicate()] * (len(tensors) - 1)
+    rows = [[Partial(r), Partial(r), *rest] for r in ("sum", "avg")]
+    if len(tensors[1].shape) < 2 or reduction == MEAN:
+        return rows
+    grad = ShardingPlaceholder(0) if reduction == NO_REDUCTION else Replicate()
+    extra = [ShardingPlaceholder(0) if op.name() == "aten::multilabel_margin_loss_backward" else Replicate()
+             for _ in tensors[3:]]  # multilabel's is_target [N, C]; multi_margin's weight [C]
+    return rows + [[ShardingPlaceholder(0), grad, ShardingPlaceholder(0), ShardingPlaceholder(0), *extra]]
+
+
+@single_dim_rule("aten::_conj_physical", family=FAMILY)
+def conj_physical_rule(op, args, kwargs):
+    """The materialised complex conjugate (fft.ihfft2/ihfftn call it): elementwise, and it commutes with sums
+    (not offered for avg: a complex Partial(avg) cannot be reduced on CPU)."""
+    return [[row[0], row[0]] for row in elementwise_rows([args[0]])] + [[Partial("sum"), Partial("sum")]]

@@ -1,6 +1,9 @@
-"""Proofs for the pointwise family: complex, polar, isin, renorm, pads, activation backwards, glu, losses, PReLU."""
+"""Proofs for the pointwise family: complex, polar, isin, renorm, pads, activation backwards, glu, losses, PReLU,
+margin losses."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -161,10 +164,12 @@ def test_losses_and_backward_proven(mesh_shape, shape, name, reduction):
 
 
 def test_torch_validator_finds_no_incorrect_rule():
-    for name in ("complex", "polar", "nn.functional.pad", "nn.functional.glu", "floor_divide"):
+    for name in ("complex", "polar", "nn.functional.pad", "nn.functional.glu", "floor_divide",
+                 "nn.functional.multilabel_margin_loss"):
         assert_torch_validator_agrees(name)
     # these OpInfo samples only reach combinations the validator counts as trivial: run for false positives only
-    for name in ("renorm", "nn.functional.mse_loss", "nn.functional.binary_cross_entropy", "nn.functional.prelu"):
+    for name in ("renorm", "nn.functional.mse_loss", "nn.functional.binary_cross_entropy", "nn.functional.prelu",
+                 "nn.functional.multi_margin_loss"):
         assert_torch_validator_agrees(name, exercised=False)
 
 
@@ -218,3 +223,45 @@ def test_end_to_end_summed_loss_is_partial_and_its_gradient_sharded(installed):
     assert grad_placements == (Shard(0), Shard(1))
     torch.testing.assert_close(loss_full, ref_loss)
     torch.testing.assert_close(grad_full, ref.grad)
+
+
+@st.composite
+def margin_loss_samples(draw, mesh_size):
+    """Scores [N, C] (or one sample [C]) with N a multiple of the mesh size for the forward (even shards only),
+    and any N for the backward; class targets, multilabel targets (-1 ends a row's labels), class weights."""
+    classes = draw(st.integers(1, 4))
+    batch = draw(st.sampled_from([None, mesh_size, 2 * mesh_size, draw(st.integers(1, 5))]))
+    shape = (batch, classes) if batch else (classes,)
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 99)))
+    target = torch.randint(0, classes, shape[:-1], generator=generator)
+    labels = torch.randint(-1, classes, shape, generator=generator)
+    weight = sample_tensor((classes,), seed=3).abs() if draw(st.booleans()) else None
+    return sample_tensor(shape), target, labels, weight, draw(st.sampled_from([0, 1, 2]))
+
+
+@PROVING_MESHES
+@given(data=st.data())
+def test_margin_losses_and_backward_proven(mesh_shape, data):
+    mesh_size = math.prod(mesh_shape)
+    x, target, labels, weight, reduction = data.draw(margin_loss_samples(mesh_size))
+    even = x.dim() == 1 or x.shape[0] % mesh_size == 0
+    margin_args = [x, target, 1, 1.0, weight, reduction]
+    if even:
+        assert_proven(aten.multi_margin_loss.default, margin_args, rule=pointwise.sample_loss_rule,
+                      mesh_shape=mesh_shape)
+        assert_proven(aten.multilabel_margin_loss_forward.default, [x, labels, reduction],
+                      rule=pointwise.sample_loss_rule, mesh_shape=mesh_shape)
+    grad = sample_tensor(aten.multi_margin_loss(*margin_args).shape, seed=2)
+    assert_proven(aten.multi_margin_loss_backward.default, [grad, *margin_args],
+                  rule=pointwise.sample_loss_backward_rule, mesh_shape=mesh_shape)
+    _, is_target = aten.multilabel_margin_loss_forward(x, labels, reduction)
+    assert_proven(aten.multilabel_margin_loss_backward.default, [grad, x, labels, reduction, is_target],
+                  rule=pointwise.sample_loss_backward_rule, mesh_shape=mesh_shape)
+
+
+
+@PROVING_MESHES
+@given(shape=shapes(min_dims=0, max_dims=3))
+def test_conj_physical_proven(mesh_shape, shape):
+    x = torch.complex(sample_tensor(shape), sample_tensor(shape, seed=1))
+    assert_proven(aten._conj_physical.default, [x], rule=pointwise.conj_physical_rule, mesh_shape=mesh_shape)
