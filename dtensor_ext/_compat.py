@@ -7,16 +7,30 @@ alone: CI runs 2.13, the GPU machine 2.11, and 2.12-2.15 must keep working.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._ops import OpOverload
+import torch.distributed._functional_collectives as funcol  # noqa: F401  (re-exported)
+from torch._ops import OpOverload, OpOverloadPacket
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _sharding_prop as _sharding_prop_module
+from torch.distributed.tensor._collective_utils import (  # noqa: F401  (re-exported)
+    MeshTopoInfo,
+    allgather_cost,
+    allreduce_cost,
+    redistribute_cost,
+    reduce_scatter_cost,
+)
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy
 from torch.distributed.tensor._ops import single_dim_strategy as _sds
+from torch.distributed.tensor._ops.utils import is_tensor_shardable  # noqa: F401  (re-exported)
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import (
     Partial,
@@ -216,8 +230,6 @@ def fill_placeholders(row: Sequence[Any], shard_type: Callable[[int], Placement]
 
 def torch_op_names(fn: object) -> tuple[str, ...] | None:
     """('ns::op.overload', 'ns::op') for a torch.ops overload, ('ns::op',) for a packet, None for anything else."""
-    from torch._ops import OpOverloadPacket
-
     if isinstance(fn, OpOverload):
         return (f"{fn._schema.name}.{fn._overloadname}", fn._schema.name)
     if isinstance(fn, OpOverloadPacket):
@@ -232,11 +244,15 @@ def current_local_tensor_mode() -> LocalTensorMode | None:
     return local_tensor_mode()
 
 
-def group_size(group_name: Any) -> int:
-    """Ranks in the process group a functional collective names (its ``group_name`` argument)."""
+def process_group_of(group_name: Any):
+    """The process group a functional collective names (its ``group_name`` argument)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(group_name).size()
+    return _resolve_process_group(group_name)
+
+
+def group_size(group_name: Any) -> int:
+    return process_group_of(group_name).size()
 
 
 def fake_mode_of(values: Sequence[Any]):
@@ -274,9 +290,6 @@ def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str
     pytree-flattened order. Returns rows (output placements..., input placements...), one placement tuple each,
     so that a rule of ours can be shown to cover everything torch's rule would pick.
     """
-    from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy
-    from torch.utils import _pytree as pytree
-
     placement_iter = iter(placements)
 
     def as_spec(x):
@@ -295,8 +308,7 @@ def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str
     if info is not None:
         strategy_schema = prop._wrap_with_op_strategy(spec_schema)
         out_meta = prop._propagate_tensor_meta_non_cached(spec_schema)
-        expand = _sds._expand_single_dim_strategy_to_mesh  # torch's full expansion, even with ours swapped in
-        result = expand(mesh, strategy_schema, info, out_meta)(
+        result = full_single_dim_expansion(mesh, strategy_schema, info, out_meta)(
             op, strategy_schema.args_meta, strategy_schema.kwargs_meta
         )
     else:
@@ -328,16 +340,6 @@ def compare_operator(*args, **kwargs):
 
 
 # --- Expansion of single-dim rules to the N-D mesh (fast propagation swaps it) ---
-from torch.distributed.tensor import _sharding_prop as _sharding_prop_module  # noqa: E402
-from torch.distributed.tensor._collective_utils import (  # noqa: E402,F401
-    MeshTopoInfo,
-    allgather_cost,
-    allreduce_cost,
-    redistribute_cost,
-    reduce_scatter_cost,
-)
-from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, TupleStrategy  # noqa: E402,F401
-from torch.distributed.tensor._ops.utils import is_tensor_shardable  # noqa: E402,F401
 
 PreparedSingleDimStrategy = _sds._PreparedSingleDimStrategy
 # torch's own N-D expansion, captured at import so that it can always be called and put back
@@ -377,10 +379,8 @@ def rank_in_mesh(mesh) -> bool:
 
 def dtensor_collective_costs():
     """torch's own cost formulas for collectives (microseconds) and its topology record, for comparison."""
-    from torch.distributed.tensor import _collective_utils as cu
-
-    return cu.MeshTopoInfo, {"all_gather": cu.allgather_cost, "all_reduce": cu.allreduce_cost,
-                             "reduce_scatter": cu.reduce_scatter_cost}
+    return MeshTopoInfo, {"all_gather": allgather_cost, "all_reduce": allreduce_cost,
+                          "reduce_scatter": reduce_scatter_cost}
 
 
 def enabled_local_tensor_mode():
@@ -401,3 +401,34 @@ def custom_op_handler(op: OpOverload):
     """The function DTensor's dispatcher runs for `op` in place of its generic path (propagate, redistribute,
     run locally), or None; such a handler must apply any redistribution itself."""
     return DTensor._op_dispatcher._custom_op_handlers.get(op)
+
+
+def local_tensor_values(t: torch.Tensor) -> dict[int, torch.Tensor] | None:
+    """rank -> plain tensor for a LocalTensor (one value per simulated rank); None for any other tensor."""
+    return dict(t._local_tensors) if isinstance(t, LocalTensor) else None
+
+
+@contextlib.contextmanager
+def quiet_redistribute_warnings():
+    """Silence torch's per-call "suboptimal redistribution" warnings while measuring many redistributions."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def inductor_custom_pass_api():
+    """(CustomGraphPass, get_hash_for_files): inductor's base class for post-grad passes and its source hasher."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    return CustomGraphPass, get_hash_for_files
+
+
+def opinfo_db() -> list:
+    """torch's OpInfo database (from its internal testing package)."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return op_db

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtensor_ext._compat import LocalTensor
+from dtensor_ext._compat import TorchDispatchMode, local_tensor_values
 
 _COLLECTIVES = {
     "all_reduce": "all_reduce",
@@ -25,9 +24,8 @@ _COLLECTIVES = {
 
 def _local_nbytes(t: torch.Tensor) -> int:
     """Largest per-rank payload: LocalTensors hold one tensor per simulated rank."""
-    if isinstance(t, LocalTensor):
-        return max(v.numel() * v.element_size() for v in t._local_tensors.values())
-    return t.numel() * t.element_size()
+    pieces = local_tensor_values(t) or {0: t}
+    return max(v.numel() * v.element_size() for v in pieces.values())
 
 
 @dataclass

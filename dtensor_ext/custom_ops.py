@@ -11,9 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
 
-from dtensor_ext._compat import RuntimeSchemaInfo
+from dtensor_ext._compat import OpOverload, OpOverloadPacket, RuntimeSchemaInfo
 from dtensor_ext.registry import RegistryEntry, install_one, registry, single_dim_rule
 from dtensor_ext.rules.factors import FactorSignature, factor_strategies
 

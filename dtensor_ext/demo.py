@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dtensor_ext
+from dtensor_ext._compat import local_tensor_values
 from dtensor_ext.comm_stats import CommStatsMode
 from dtensor_ext.testing.mesh import simulated_mesh
 
@@ -180,15 +181,14 @@ def _op_name(op: str) -> str:
 def _rank0(t: torch.Tensor) -> float:
     if isinstance(t, DTensor):
         t = t.full_tensor()
-    values = getattr(t, "_local_tensors", None)
+    values = local_tensor_values(t)
     return float(values[0] if values else t)
 
 
 def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     if isinstance(got, DTensor):
         got = got.full_tensor()
-    values = getattr(got, "_local_tensors", None)
-    pieces = list(values.values()) if values else [got]
+    pieces = list((local_tensor_values(got) or {0: got}).values())
     return max(float((p.detach() - expected.detach()).abs().max()) for p in pieces)
 
 

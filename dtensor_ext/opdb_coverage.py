@@ -20,7 +20,6 @@ import itertools
 import math
 import random
 import json
-import logging
 import signal
 import sys
 import time
@@ -35,11 +34,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtensor_ext
 from dtensor_ext import _compat
-from dtensor_ext._compat import LocalTensor, Partial, Replicate, Shard
+from dtensor_ext._compat import LocalTensor, Partial, Replicate, Shard, TorchDispatchMode
 from dtensor_ext.testing.checker import _judge, _Sample, _valid_outputs
 from dtensor_ext.testing.layout import place
 from dtensor_ext.testing.mesh import active_mode, local_values, rank_coordinates, simulated_mesh
@@ -151,10 +149,8 @@ def _op_label(info) -> str:
 
 
 def _selected_opinfos(options: Options) -> tuple[list, dict[str, str]]:
-    from torch.testing._internal.common_methods_invocations import op_db
-
     chosen, excluded = [], {}
-    for info in op_db:
+    for info in _compat.opinfo_db():
         label = _op_label(info)
         if options.ops and not any(fnmatch.fnmatchcase(label, g) for g in options.ops):
             continue
@@ -384,10 +380,8 @@ def measure(options: Options, progress: Callable[[str], None] | None = None) -> 
     not_run: dict[str, Counter] = {m: Counter() for m in options.meshes}
     records = {m: {mode: defaultdict(_OpRecord) for mode in MODES} for m in options.meshes}
     was_installed = dtensor_ext.is_installed()
-    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
-    log_level = redistribute_log.level
-    redistribute_log.setLevel(logging.ERROR)  # one "suboptimal redistribution" warning per 2-D Partial input
-    with warnings.catch_warnings():
+    # quiet: one "suboptimal redistribution" warning per 2-D Partial input otherwise
+    with warnings.catch_warnings(), _compat.quiet_redistribute_warnings():
         warnings.simplefilter("ignore")
         infos, excluded = _selected_opinfos(options)
         if not infos:
@@ -419,7 +413,6 @@ def measure(options: Options, progress: Callable[[str], None] | None = None) -> 
                                         record.example.setdefault("communicated", f"sample {case.index} {_fmt(placements)}")
         finally:
             _set_package("with" if was_installed else "without")
-            redistribute_log.setLevel(log_level)
     return _summary(options, excluded, cases, records, skipped_samples, not_run, time.perf_counter() - start)
 
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from torch._ops import OpOverload
 
 from dtensor_ext import _compat
+from dtensor_ext._compat import OpOverload
 from dtensor_ext import fast_propagation as _fast_propagation
 
 __all__ = [

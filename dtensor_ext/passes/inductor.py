@@ -11,14 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph
 
+from dtensor_ext._compat import inductor_custom_pass_api
 from dtensor_ext.passes.sequence_parallel import SequenceParallelReport, check_options, rewrite_graph
 
 __all__ = ["SequenceParallelPass"]
 
 _SOURCES = tuple(str(p) for p in sorted(Path(__file__).parent.glob("*.py")))
+
+
+CustomGraphPass, get_hash_for_files = inductor_custom_pass_api()
 
 
 class SequenceParallelPass(CustomGraphPass):

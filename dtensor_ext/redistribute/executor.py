@@ -13,10 +13,17 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from dtensor_ext._compat import LocalTensor, Partial, Replicate, enabled_local_tensor_mode, local_int
+from dtensor_ext._compat import (
+    LocalTensor,
+    Partial,
+    Replicate,
+    enabled_local_tensor_mode,
+    funcol,
+    local_int,
+    local_tensor_values,
+)
 from dtensor_ext.redistribute.layout import Layout, coordinates
 from dtensor_ext.redistribute.plan import Plan, Step, Transfer
 
@@ -30,7 +37,7 @@ def _per_rank(fn, *tensors):
     if mode is None:
         return fn(dist.get_rank(), *tensors)
     with mode.disable():
-        return LocalTensor({r: fn(r, *[t._local_tensors[r] for t in tensors]) for r in sorted(mode.ranks)})
+        return LocalTensor({r: fn(r, *[local_tensor_values(t)[r] for t in tensors]) for r in sorted(mode.ranks)})
 
 
 def _rank_ints(values: list[int]):

@@ -7,15 +7,19 @@ went in and came out, so the comparison reflects what the running torch does, no
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtensor_ext._compat import enabled_local_tensor_mode
+from dtensor_ext._compat import (
+    TorchDispatchMode,
+    enabled_local_tensor_mode,
+    local_tensor_values,
+    process_group_of,
+    quiet_redistribute_warnings,
+)
 from dtensor_ext.redistribute.layout import Layout, coordinates
 from dtensor_ext.redistribute.placements import format_placements
 from dtensor_ext.redistribute.plan import Step
@@ -55,14 +59,12 @@ class CollectiveRecorder(TorchDispatchMode):
 
 
 def _per_rank(t) -> dict[int, torch.Size]:
-    locals_ = getattr(t, "_local_tensors", None)
+    locals_ = local_tensor_values(t)
     return {r: v.shape for r, v in locals_.items()} if locals_ is not None else {dist.get_rank(): t.shape}
 
 
 def _mesh_dims_of_group(group_name, mesh_shape) -> tuple[int, ...]:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+    ranks = dist.get_process_group_ranks(process_group_of(group_name))
     coords = coordinates(mesh_shape)
     return tuple(j for j in range(len(mesh_shape)) if len({coords[r][j] for r in ranks}) > 1)
 
@@ -73,26 +75,21 @@ def dtensor_steps(shape, mesh_shape, src, dst, dtype, cost_model) -> list[Step]:
     source = Layout(shape, mesh_shape, src)
     recorder = CollectiveRecorder()
     outer = contextlib.nullcontext() if enabled_local_tensor_mode() is not None else simulated_mesh(mesh_shape)
-    torch_log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)  # torch warns about its own sequential collectives on every call
-    try:
-        with outer:
-            with simulated_mesh(mesh_shape) as mesh:
-                mode = enabled_local_tensor_mode()
-                local = mode.rank_map(lambda r: torch.zeros(source.local_shapes[r], dtype=dtype))
-                stride = tuple(torch.empty(shape, device="meta").stride())
-                tensor = DTensor.from_local(local, mesh, src, run_check=False, shape=torch.Size(shape), stride=stride)
-                with recorder:
-                    try:
-                        tensor.redistribute(mesh, dst)
-                    except (RuntimeError, ValueError, AssertionError) as exc:
-                        raise DTensorRedistributeFailed(
-                            f"torch {torch.__version__} DTensor.redistribute {format_placements(src)} -> "
-                            f"{format_placements(dst)} of {tuple(shape)} on mesh {tuple(mesh_shape)} failed: {exc}"
-                        ) from exc
-    finally:
-        torch_log.setLevel(level)
+    # torch warns about its own sequential collectives on every call
+    with quiet_redistribute_warnings(), outer:
+        with simulated_mesh(mesh_shape) as mesh:
+            mode = enabled_local_tensor_mode()
+            local = mode.rank_map(lambda r: torch.zeros(source.local_shapes[r], dtype=dtype))
+            stride = tuple(torch.empty(shape, device="meta").stride())
+            tensor = DTensor.from_local(local, mesh, src, run_check=False, shape=torch.Size(shape), stride=stride)
+            with recorder:
+                try:
+                    tensor.redistribute(mesh, dst)
+                except (RuntimeError, ValueError, AssertionError) as exc:
+                    raise DTensorRedistributeFailed(
+                        f"torch {torch.__version__} DTensor.redistribute {format_placements(src)} -> "
+                        f"{format_placements(dst)} of {tuple(shape)} on mesh {tuple(mesh_shape)} failed: {exc}"
+                    ) from exc
     steps = []
     for kind, group, inputs, outputs, args in recorder.calls:
         mesh_dims = _mesh_dims_of_group(group, mesh_shape)

@@ -8,8 +8,6 @@ and the row dims P and R shard freely.
 
 from __future__ import annotations
 
-import string
-
 from dtensor_ext._compat import Partial, Replicate, RuntimeSchemaInfo, ShardingPlaceholder
 from dtensor_ext.registry import single_dim_rule
 

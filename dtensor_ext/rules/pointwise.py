@@ -224,7 +224,7 @@ def sample_loss_rule(op, args, kwargs):
     Even shards only: torch 2.13's CPU kernels return an uninitialised value when summing an empty batch, and
     uneven shards can be empty."""
     reduction = _reduction(op, args, kwargs, _SAMPLE_LOSS_REDUCTION_ARG)
-    self, target = args[0], args[1]
+    self = args[0]
     if len(self.shape) < 2 or reduction == MEAN:
         return []
     weight = [Replicate()] * (len(_tensors(args)) - 2)  # multi_margin_loss's class weight [C]

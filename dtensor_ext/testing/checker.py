@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import Partial, Placement, Replicate, Shard
+from dtensor_ext._compat import OpOverload, Partial, Placement, Replicate, Shard
 from dtensor_ext.testing.layout import LayoutMismatch, place, reassemble
 
 __all__ = [

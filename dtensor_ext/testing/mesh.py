@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dtensor_ext._compat import LocalTensor, LocalTensorMode, current_local_tensor_mode
+from dtensor_ext._compat import LocalTensor, LocalTensorMode, current_local_tensor_mode, local_tensor_values
 
 __all__ = ["MESH_SHAPES", "active_mode", "simulated_mesh", "rank_coordinates", "local_values", "place_dtensor"]
 
@@ -89,9 +89,10 @@ def local_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
 
     if isinstance(t, DTensor):
         t = t._local_tensor
-    if not isinstance(t, LocalTensor):
+    values = local_tensor_values(t)
+    if values is None:
         raise TypeError(f"expected a LocalTensor from a simulated mesh, got {type(t).__name__}")
-    return dict(t._local_tensors)
+    return values
 
 
 def place_dtensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence) -> torch.Tensor:
