@@ -432,3 +432,55 @@ def opinfo_db() -> list:
     from torch.testing._internal.common_methods_invocations import op_db
 
     return op_db
+
+
+def set_custom_op_handler(op: OpOverload, handler: Callable | None) -> Callable | None:
+    """Put `handler` in DTensor's table of ops that bypass its generic path (None removes it); returns the old one."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    previous = handlers.get(op)
+    if handler is None:
+        handlers.pop(op, None)
+    else:
+        handlers[op] = handler
+    return previous
+
+
+def handler_applies_redistribution(handler: Callable) -> bool:
+    """Whether a custom handler carries out the input redistribution its propagation chose (feature check)."""
+    code = getattr(handler, "__code__", None)
+    return code is not None and "redistribute_local_args" in code.co_names
+
+
+def propagate_and_redistribute(op_call: OpOverload, args: tuple, kwargs: dict) -> tuple[Any, Any, OpSchema]:
+    """What DTensor's generic dispatch does before running the local kernel, for handlers that run their own.
+
+    Returns (op_info with the redistributed local args, output sharding, the input schema the kernel runs on).
+    """
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    schema = op_info.schema
+    if sharding.needs_redistribute:
+        dispatcher.redistribute_local_args(
+            op_info, sharding.redistribute_schema, sharding.use_val_from_redistribute_schema
+        )
+        schema = sharding.redistribute_schema
+    return op_info, sharding, schema
+
+
+def wrap_local_results(local_results: object, output_spec: Any) -> object:
+    return DTensor._op_dispatcher.wrap(local_results, output_spec)
+
+
+def tp_convolution_kernels() -> tuple[Callable, Callable]:
+    """torch's local convolution forward/backward runners (they exchange halos when a spatial dim is sharded)."""
+    from torch.distributed.tensor._tp_conv import tp_convolution, tp_convolution_backward
+
+    return tp_convolution, tp_convolution_backward
+
+
+def strategy_function_name(op: OpOverload) -> str | None:
+    """Name of the op_strategy function torch registered for `op` (to recognise a known faulty one), or None."""
+    func = propagator().op_strategy_funcs.get(op)
+    return getattr(func, "__name__", None)

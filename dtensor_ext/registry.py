@@ -51,7 +51,9 @@ class RuleSpec:
 class RegistryEntry:
     op: str
     family: str
-    status: str  # "added" | "skipped" | "upgraded" | "absent" (op missing from this torch) | "not installed"
+    # "added" | "skipped" | "upgraded" | "absent" (op missing from this torch) | "not installed"; for torch fixes
+    # (family "torch fix"): "fixed" | "not needed" (this torch lacks the defect)
+    status: str
     # how torch itself shards the op: single_dim / op_strategy / rule, "decomposition" (its generic fallback,
     # which a direct rule takes precedence over) or None
     torch_strategy: str | None
@@ -105,6 +107,8 @@ class _Installed:
     previous: dict[OpOverload, dict]  # what the propagator held for each op we touched
     ours: dict[OpOverload, object]  # what we put there, so uninstall leaves later user registrations alone
     upgrade: bool | frozenset[str]
+    fix_torch: bool
+    undo_fixes: list[Callable[[], None]]
 
 
 _state: _Installed | None = None
@@ -123,9 +127,12 @@ def _wants_upgrade(spec: RuleSpec, upgrade: bool | Iterable[str]) -> bool:
 
 
 def install(
-    *, upgrade: bool | Iterable[str] = False, fast_propagation: bool | None = None
+    *, upgrade: bool | Iterable[str] = False, fast_propagation: bool | None = None, fix_torch: bool = True
 ) -> list[RegistryEntry]:
     """Register our rules for ops torch cannot shard; with `upgrade`, also replace proven-subset torch rules.
+
+    fix_torch: apply the fixes in `dtensor_ext.torch_fixes` for DTensor defects the running torch has (wrong
+    results or errors where a strategy exists); each changes only what torch got wrong.
 
     fast_propagation: True swaps DTensor's full N-D expansion of single-dim rules for our search that finds the
     same minimum cost without enumerating every combination; False puts torch's back; None leaves it as it is.
@@ -144,7 +151,7 @@ def install(
             )
 
     if _state is not None:
-        if _state.upgrade == _freeze(upgrade):
+        if (_state.upgrade, _state.fix_torch) == (_freeze(upgrade), fix_torch):
             return _state.entries
         uninstall()
     prop = _compat.propagator()
@@ -173,7 +180,8 @@ def install(
             )
         )
     ours = {op: prop.op_single_dim_strategy_funcs[op] for op in previous}
-    _state = _Installed(entries, previous, ours, _freeze(upgrade))
+    undo_fixes = _apply_torch_fixes(entries) if fix_torch else []
+    _state = _Installed(entries, previous, ours, _freeze(upgrade), fix_torch, undo_fixes)
     _compat.clear_sharding_caches()
     return entries
 
@@ -197,6 +205,19 @@ def _install_spec(
         _compat.register_scalar_adjuster(op, spec.local_scalars)
     status = "upgraded" if torch_kind in _compat.DIRECT_STRATEGY_KINDS else "added"
     return RegistryEntry(spec.op_name, spec.family, status, torch_kind, spec.where), op
+
+
+def _apply_torch_fixes(entries: list[RegistryEntry]) -> list[Callable[[], None]]:
+    from dtensor_ext.torch_fixes import declared_fixes
+
+    undos = []
+    for fix in declared_fixes().values():
+        undo = fix.apply()
+        if undo is not None:
+            undos.append(undo)
+        status = "not needed" if undo is None else "fixed"
+        entries.extend(RegistryEntry(op, "torch fix", status, None, fix.where) for op in fix.ops)
+    return undos
 
 
 def install_one(op: OpOverload | str) -> RegistryEntry | None:
@@ -229,6 +250,8 @@ def uninstall() -> None:
     _fast_propagation.disable()
     if _state is None:
         return
+    for undo in reversed(_state.undo_fixes):
+        undo()
     prop = _compat.propagator()
     for op, snapshot in _state.previous.items():
         if prop.op_single_dim_strategy_funcs.get(op) is _state.ours[op]:

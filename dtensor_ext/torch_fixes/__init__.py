@@ -1,0 +1,61 @@
+"""Corrections for DTensor defects in the running torch: wrong results, or errors on inputs a strategy covers.
+
+A rule can only add strategies; some torch defects sit elsewhere (a dispatch handler that skips the redistribution
+its own propagation chose) or in a strategy that claims too much (`fill_` keeping `Partial(sum)`). A fix replaces
+exactly the faulty piece. `install()` applies every fix whose feature check finds the defect in the running torch
+(`install(fix_torch=False)` applies none) and `uninstall()` undoes them. A fix changes nothing torch already does
+right: its tests run torch's correct cases with and without it and compare placements and values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import OpOverload
+
+__all__ = ["TorchFix", "torch_fix", "declared_fixes", "replace_rule"]
+
+Undo = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class TorchFix:
+    name: str
+    ops: tuple[str, ...]  # "aten::convolution.default"
+    why: str
+    # applies the fix and returns how to undo it, or returns None where the running torch lacks the defect
+    apply: Callable[[], Undo | None]
+    where: str
+
+
+_FIXES: dict[str, TorchFix] = {}
+
+
+def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[[], Undo | None]], Callable]:
+    """Declare `apply() -> undo | None` as the fix called `name` for `ops`."""
+
+    def declare(apply: Callable[[], Undo | None]) -> Callable:
+        where = f"{apply.__module__}:{inspect.getsourcelines(apply)[1]}"
+        if name in _FIXES:
+            raise ValueError(f"torch fix {name!r} is already declared at {_FIXES[name].where}; not declaring {where}")
+        _FIXES[name] = TorchFix(name, tuple(ops), why, apply, where)
+        return apply
+
+    return declare
+
+
+def declared_fixes() -> dict[str, TorchFix]:
+    from dtensor_ext.torch_fixes import conv_handlers, partial_fill  # noqa: F401  (declares the fixes)
+
+    return dict(_FIXES)
+
+
+def replace_rule(op: OpOverload, func: Callable, *, schema_info: _compat.RuntimeSchemaInfo | None = None) -> Undo:
+    """Swap whatever torch registered for `op` for the single-dim rule `func`; the undo puts torch's back."""
+    snapshot = _compat.snapshot_registration(op)
+    _compat.restore_registration(op, {})
+    _compat.register_single_dim(op, func, schema_info=schema_info, allow_uneven_sharding=True)
+    return lambda: _compat.restore_registration(op, snapshot)

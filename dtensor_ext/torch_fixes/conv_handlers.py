@@ -1,0 +1,63 @@
+"""Convolution dispatch that carries out the redistribution its propagation chose.
+
+torch's `convolution_handler` / `convolution_backward_handler` (`torch/distributed/tensor/_tp_conv.py`) propagate
+shardings and then run the kernel on the ORIGINAL local pieces: whenever the chosen strategy moves an input (a
+Partial input, a weight sharded anywhere, an input sharded on channels) the result is wrong or the kernel fails on
+mismatched shapes (docs/torch-bugs.md). These handlers apply the redistribution first, exactly like DTensor's
+generic path, and then call torch's own kernels, so halo exchange for spatially sharded inputs is kept and cases
+that needed no redistribution run exactly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtensor_ext import _compat
+from dtensor_ext.torch_fixes import torch_fix
+
+aten = torch.ops.aten
+
+
+def _convolution(op_call, args, kwargs):
+    tp_convolution, _ = _compat.tp_convolution_kernels()
+    op_info, sharding, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    local = tp_convolution(op_call, tuple(op_info.local_args), op_info.local_kwargs, sharding.output_spec.dim_map)
+    return _compat.wrap_local_results(local, sharding.output_spec)
+
+
+def _convolution_backward(op_call, args, kwargs):
+    _, tp_convolution_backward = _compat.tp_convolution_kernels()
+    grad_output, inputs = args[0], args[1]
+    if any(p.is_shard() and p.dim >= 2 for p in inputs.placements):
+        # torch's halo exchange for a spatially sharded input needs grad_output laid out alike (torch does this
+        # for every input; for a Partial input it fails, and otherwise propagation chooses on its own)
+        args = (grad_output.redistribute(inputs.device_mesh, inputs.placements), *args[1:])
+    op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    grad_output_dims = schema.args_schema[0].dim_map
+    local = tp_convolution_backward(op_call, tuple(op_info.local_args), op_info.local_kwargs, grad_output_dims)
+    return _compat.wrap_local_results(local, sharding.output_spec)
+
+
+@torch_fix(
+    "convolution handlers skip redistribution",
+    ops=("aten::convolution.default", "aten::convolution_backward.default"),
+    why="torch runs the conv kernels on the unmoved local inputs after choosing to move them: wrong results",
+)
+def fix_convolution_handlers():
+    ours = {aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward}
+    faulty = {
+        op: handler
+        for op in ours
+        if (handler := _compat.custom_op_handler(op)) is not None
+        and not _compat.handler_applies_redistribution(handler)
+    }
+    if not faulty:
+        return None
+    for op in faulty:
+        _compat.set_custom_op_handler(op, ours[op])
+
+    def undo():
+        for op, handler in faulty.items():
+            _compat.set_custom_op_handler(op, handler)
+
+    return undo

@@ -1,0 +1,61 @@
+"""`fill_` must not keep `Partial(sum)`, and `empty_like` of a `Partial(sum)` tensor is better `Replicate`.
+
+torch gives `fill_.Scalar` the identity strategy of `clone`: on a `Partial(sum)` tensor every rank writes the value
+and the tensor is then worth `world_size * value`. Only `value == 0` (and the max/min/avg reductions) survive a
+fill. With that fixed, `fill_` on `Partial(sum)` is an in-place op that would need a placement change, which DTensor
+refuses; the common source of such a tensor is `empty_like` of a `Partial(sum)` one (decompositions such as
+cosine_embedding_loss do `empty_like(x).fill_(1)`), so `empty_like` hands out `Replicate` there instead: its values
+are unspecified, so any placement is right, and `Replicate` is the one every later fill or random op keeps correct.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import Partial, Replicate, ShardingPlaceholder
+from dtensor_ext.torch_fixes import replace_rule, torch_fix
+
+aten = torch.ops.aten
+
+_FILL_SAFE_REDUCTIONS = ("max", "min", "avg")  # filling every rank with v reduces to v under these
+
+
+def _same_on_both_sides(self_meta, partials):
+    rows = [[ShardingPlaceholder(d), ShardingPlaceholder(d)] for d in range(len(self_meta.shape))]
+    return rows + [[Partial(r), Partial(r)] for r in partials]
+
+
+def fill_scalar_rule(op, args_meta, kwargs_meta):
+    self_meta, value = args_meta[:2]
+    return _same_on_both_sides(self_meta, _FILL_SAFE_REDUCTIONS + (("sum",) if value == 0 else ()))
+
+
+def empty_like_rule(op, args_meta, kwargs_meta):
+    self_meta = args_meta[0]
+    return _same_on_both_sides(self_meta, _FILL_SAFE_REDUCTIONS) + [[Replicate(), Partial("sum")]]
+
+
+_IDENTITY_STRATEGY = "propagate_single_input_strategy"  # torch's clone/detach strategy, placements in = out
+
+
+@torch_fix(
+    "fill_ keeps Partial(sum)",
+    ops=("aten::fill_.Scalar", "aten::empty_like.default"),
+    why="fill_(v) on a Partial(sum) tensor gives world_size * v; empty_like(Partial(sum)) then feeds it",
+)
+def fix_partial_fill():
+    fixes = {
+        aten.fill_.Scalar: (fill_scalar_rule, _compat.RuntimeSchemaInfo(1)),
+        aten.empty_like.default: (empty_like_rule, _compat.RuntimeSchemaInfo(1, ["dtype"])),
+    }
+    faulty = [op for op in fixes if _compat.strategy_function_name(op) == _IDENTITY_STRATEGY]
+    if aten.fill_.Scalar not in faulty:
+        return None
+    undos = [replace_rule(op, fixes[op][0], schema_info=fixes[op][1]) for op in faulty]
+
+    def undo():
+        for undo_one in reversed(undos):
+            undo_one()
+
+    return undo
