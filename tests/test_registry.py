@@ -123,3 +123,24 @@ def test_fast_propagation_is_switched_by_install_and_undone_by_uninstall():
         dtensor_ext.install()
     assert not fast_propagation.is_enabled()
     assert _compat.single_dim_expansion() is torch_expansion
+
+
+def _handlers() -> dict:
+    return dict(_compat.DTensor._op_dispatcher._custom_op_handlers)
+
+
+def test_torch_fixes_are_applied_by_default_reported_and_undone_exactly():
+    dtensor_ext.uninstall()
+    try:
+        pristine, pristine_handlers = _propagator_tables(), _handlers()
+        dtensor_ext.install(fix_torch=False)
+        assert _handlers() == pristine_handlers
+        assert not any(e.family == "torch fix" for e in dtensor_ext.registry())
+        entries = dtensor_ext.install()
+        fixes = {e.op: e.status for e in entries if e.family == "torch fix"}
+        assert fixes["aten::convolution.default"] == "fixed" and fixes["aten::fill_.Scalar"] == "fixed"
+        assert _compat.custom_op_handler(aten.convolution.default) is not pristine_handlers[aten.convolution.default]
+        dtensor_ext.uninstall()
+        assert _propagator_tables() == pristine and _handlers() == pristine_handlers
+    finally:
+        dtensor_ext.install()

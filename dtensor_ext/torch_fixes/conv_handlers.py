@@ -3,7 +3,7 @@
 torch's `convolution_handler` / `convolution_backward_handler` (`torch/distributed/tensor/_tp_conv.py`) propagate
 shardings and then run the kernel on the ORIGINAL local pieces: whenever the chosen strategy moves an input (a
 Partial input, a weight sharded anywhere, an input sharded on channels) the result is wrong or the kernel fails on
-mismatched shapes (docs/torch-bugs.md). These handlers apply the redistribution first, exactly like DTensor's
+mismatched shapes (docs/torch-fixes.md). These handlers apply the redistribution first, exactly like DTensor's
 generic path, and then call torch's own kernels, so halo exchange for spatially sharded inputs is kept and cases
 that needed no redistribution run exactly as before.
 """
@@ -13,15 +13,26 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
+from dtensor_ext._compat import Replicate
 from dtensor_ext.torch_fixes import torch_fix
 
 aten = torch.ops.aten
 
 
+def _dim_map(spec) -> list[int]:
+    """`spec.dim_map` (tensor dim -> a mesh dim sharding it, or -1), also where two mesh dims shard one tensor dim,
+    which torch's `dim_map` refuses; torch's kernels only ask which tensor dims are sharded."""
+    dims = [-1] * len(spec.shape)
+    for mesh_dim, p in enumerate(spec.placements):
+        if p.is_shard() and dims[p.dim] == -1:
+            dims[p.dim] = mesh_dim
+    return dims
+
+
 def _convolution(op_call, args, kwargs):
     tp_convolution, _ = _compat.tp_convolution_kernels()
     op_info, sharding, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
-    local = tp_convolution(op_call, tuple(op_info.local_args), op_info.local_kwargs, sharding.output_spec.dim_map)
+    local = tp_convolution(op_call, tuple(op_info.local_args), op_info.local_kwargs, _dim_map(sharding.output_spec))
     return _compat.wrap_local_results(local, sharding.output_spec)
 
 
@@ -30,10 +41,11 @@ def _convolution_backward(op_call, args, kwargs):
     grad_output, inputs = args[0], args[1]
     if any(p.is_shard() and p.dim >= 2 for p in inputs.placements):
         # torch's halo exchange for a spatially sharded input needs grad_output laid out alike (torch does this
-        # for every input; for a Partial input it fails, and otherwise propagation chooses on its own)
-        args = (grad_output.redistribute(inputs.device_mesh, inputs.placements), *args[1:])
+        # for every input, and fails where the input is also Partial; otherwise propagation chooses on its own)
+        like_input = [Replicate() if p.is_partial() else p for p in inputs.placements]
+        args = (grad_output.redistribute(inputs.device_mesh, like_input), *args[1:])
     op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
-    grad_output_dims = schema.args_schema[0].dim_map
+    grad_output_dims = _dim_map(schema.args_schema[0])
     local = tp_convolution_backward(op_call, tuple(op_info.local_args), op_info.local_kwargs, grad_output_dims)
     return _compat.wrap_local_results(local, sharding.output_spec)
 
