@@ -432,7 +432,7 @@ def _families_of(op_cases: list[_Case], ours: dict[str, str]) -> list[str]:
 def _summary(options, excluded, cases, records, skipped_samples, not_run, seconds) -> dict[str, Any]:
     meshes = list(options.meshes)
     status = {m: {mode: {label: records[m][mode][label].status for label in cases} for mode in MODES} for m in meshes}
-    ours = {e.op: e.family for e in dtensor_ext.registry() if e.status in ("added", "upgraded")}
+    ours = {e.op: e.family for e in dtensor_ext.registry() if e.status in ("added", "upgraded", "fixed")}
 
     def correct_everywhere(label, mode):
         return all(status[m][mode][label] == "correct" for m in meshes)
