@@ -48,7 +48,7 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
 
 
 def declared_fixes() -> dict[str, TorchFix]:
-    from dtensor_ext.torch_fixes import conv_handlers, infeasible_choice, partial_fill  # noqa: F401  (declares fixes)
+    from dtensor_ext.torch_fixes import conv_handlers, infeasible_choice, inplace_shift, partial_fill  # noqa: F401
 
     return dict(_FIXES)
 
