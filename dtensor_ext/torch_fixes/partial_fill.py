@@ -36,7 +36,18 @@ def empty_like_rule(op, args_meta, kwargs_meta):
     return _same_on_both_sides(self_meta, _FILL_SAFE_REDUCTIONS) + [[Replicate(), Partial("sum")]]
 
 
-_IDENTITY_STRATEGY = "propagate_single_input_strategy"  # torch's clone/detach strategy, placements in = out
+_IDENTITY_STRATEGY = "propagate_single_input_strategy"  # torch 2.13's clone/detach strategy, placements in = out
+
+
+def _keeps_partial_sum(op) -> bool:
+    """Whether torch maps a Partial(sum) input of `op` (filled with 1.0) to a Partial(sum) output."""
+    if _compat.strategy_function_name(op) == _IDENTITY_STRATEGY:
+        return True
+    torch_rule = _compat.single_dim_func(op)
+    if torch_rule is None:
+        return False
+    rows = torch_rule(op, (_compat.tensor_meta(torch.zeros(2)), 1.0), {})
+    return [Partial("sum"), Partial("sum")] in [list(row) for row in rows]
 
 
 @torch_fix(
@@ -49,9 +60,9 @@ def fix_partial_fill():
         aten.fill_.Scalar: (fill_scalar_rule, _compat.RuntimeSchemaInfo(1)),
         aten.empty_like.default: (empty_like_rule, _compat.RuntimeSchemaInfo(1, ["dtype"])),
     }
-    faulty = [op for op in fixes if _compat.strategy_function_name(op) == _IDENTITY_STRATEGY]
-    if aten.fill_.Scalar not in faulty:
+    if not _keeps_partial_sum(aten.fill_.Scalar):
         return None
+    faulty = [op for op in fixes if _keeps_partial_sum(op)]
     undos = [replace_rule(op, fixes[op][0], schema_info=fixes[op][1]) for op in faulty]
 
     def undo():
