@@ -8,6 +8,7 @@ alone: CI runs 2.13, the GPU machine 2.11, and 2.12-2.15 must keep working.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -432,3 +433,13 @@ def opinfo_db() -> list:
     from torch.testing._internal.common_methods_invocations import op_db
 
     return op_db
+
+
+def load_linear_cross_entropy_ops() -> bool:
+    """Define torch's chunked linear-cross-entropy custom ops (torch_nn::_linear_cross_entropy_batch_chunked*),
+    which torch only registers when their module is first imported; False where this torch has no such module."""
+    try:
+        importlib.import_module("torch.nn.modules.linear_cross_entropy")
+    except ModuleNotFoundError:
+        return False
+    return True
