@@ -15,6 +15,7 @@ same one) is run and the rest is counted as "sharding cap".
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import fnmatch
 import itertools
 import json
@@ -328,6 +329,7 @@ def _in_child_process(probe: Callable[[], bool]) -> bool | None:
     if pid == 0:  # the copy: answer through the exit status, never return into the caller's code
         code = _CHILD_RAISED
         try:
+            faulthandler.disable()  # a crash here is an expected answer, not a report for the log
             torch.set_num_threads(1)  # the parent's intra-op worker threads do not exist in a fork
             code = int(bool(probe()))
         except BaseException:
