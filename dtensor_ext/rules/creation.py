@@ -36,7 +36,8 @@ def linspace_rule(op, args, kwargs):
         rows.append([Partial("sum"), Partial("sum"), Partial("sum")])
         rows.append([Partial("avg"), Partial("avg"), Partial("avg")])
     for chosen in range(len(tensor_ends)):
-        rows.append([Partial("avg"), *(Partial("avg") if j == chosen else Replicate() for j in range(len(tensor_ends)))])
+        ends = [Partial("avg") if j == chosen else Replicate() for j in range(len(tensor_ends))]
+        rows.append([Partial("avg"), *ends])
     return rows
 
 

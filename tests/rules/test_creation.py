@@ -18,7 +18,8 @@ ENDPOINT = st.floats(-4, 4, allow_nan=False, width=32)
 
 def _endpoints(overload, start, end):
     """The (start, end) arguments of one overload: 0-d float64 tensors where it takes tensors."""
-    as_tensor = {"Tensor_Tensor": (True, True), "Tensor_Scalar": (True, False), "Scalar_Tensor": (False, True)}[overload]
+    as_tensor = {"Tensor_Tensor": (True, True), "Tensor_Scalar": (True, False),
+                 "Scalar_Tensor": (False, True)}[overload]
     return [torch.tensor(v, dtype=torch.float64) if t else v for v, t in zip((start, end), as_tensor)]
 
 
