@@ -50,25 +50,28 @@ def test_chunked_no_reduction_proven(mesh_shape, ops):
 
 def test_end_to_end_token_sharded_losses(installed):
     """F.linear_cross_entropy on token-sharded hidden states: per-token losses stay sharded, a summed loss is
-    Partial (reduced only when read), and the weight gradient matches single-device training."""
+    Partial (reduced only when read), and its gradients match single-device training, the input's still sharded."""
     x, lw = sample_tensor((8, 6)), sample_tensor((5, 6), seed=1)
     target = sample_tensor((8,), torch.int64, seed=2, high=5)
     chunked_path = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
     with simulated_mesh((2, 2)) as mesh:
-        dx = distribute_tensor(x, mesh, [Shard(0), Replicate()])
+        dx = distribute_tensor(x, mesh, [Shard(0), Replicate()]).requires_grad_()
         dt = distribute_tensor(target, mesh, [Shard(0), Replicate()])
         dw = distribute_tensor(lw, mesh, [Replicate(), Replicate()]).requires_grad_()
-        per_token = F.linear_cross_entropy(dx, dw, dt, reduction="none", options=chunked_path)
+        with torch.no_grad():
+            per_token = F.linear_cross_entropy(dx, dw, dt, reduction="none", options=chunked_path)
         none_placements, none_full = per_token.placements, per_token.full_tensor()
         total = F.linear_cross_entropy(dx, dw, dt, reduction="sum", options=chunked_path)
         sum_placements, sum_full = total.placements, total.full_tensor()
         total.backward()
-        grad_full = dw.grad.full_tensor()
+        grad_x_placements, grad_x, grad_w = dx.grad.placements, dx.grad.full_tensor(), dw.grad.full_tensor()
     assert none_placements == (Shard(0), Replicate())
     torch.testing.assert_close(none_full, F.linear_cross_entropy(x, lw, target, reduction="none"))
     assert sum_placements == (Partial("sum"), Replicate())
-    ref_w = lw.clone().requires_grad_()
-    ref = F.linear_cross_entropy(x, ref_w, target, reduction="sum")
+    ref_x, ref_w = x.clone().requires_grad_(), lw.clone().requires_grad_()
+    ref = F.linear_cross_entropy(ref_x, ref_w, target, reduction="sum")
     ref.backward()
     torch.testing.assert_close(sum_full, ref.detach())
-    torch.testing.assert_close(grad_full, ref_w.grad)
+    assert grad_x_placements == (Shard(0), Replicate())
+    torch.testing.assert_close(grad_x, ref_x.grad)
+    torch.testing.assert_close(grad_w, ref_w.grad)
