@@ -8,6 +8,7 @@ alone: CI runs 2.13, the GPU machine 2.11, and 2.12-2.15 must keep working.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -493,3 +494,11 @@ def min_cost_selector() -> Callable:
 
 def set_min_cost_selector(select: Callable) -> None:
     _sharding_prop_module._select_min_cost_strategy = select
+def load_linear_cross_entropy_ops() -> bool:
+    """Define torch's chunked linear-cross-entropy custom ops (torch_nn::_linear_cross_entropy_batch_chunked*),
+    which torch only registers when their module is first imported; False where this torch has no such module."""
+    try:
+        importlib.import_module("torch.nn.modules.linear_cross_entropy")
+    except ModuleNotFoundError:
+        return False
+    return True

@@ -15,14 +15,17 @@ same one) is run and the rest is counted as "sharding cap".
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import fnmatch
 import itertools
-import math
-import random
 import json
+import math
+import os
+import random
 import signal
 import sys
 import time
+import traceback
 import warnings
 import zlib
 from collections import Counter, defaultdict
@@ -307,7 +310,43 @@ def _communication_free(case: _Case, placements, mesh_shape, coords, layout) -> 
         return False
     (inp, args), kwargs = pytree.tree_unflatten(case.flat, case.spec)
     sample = _Sample(case.func, (inp, *args), kwargs)
-    return _valid_outputs(sample, tuple(p[0] for p in placements), mesh_shape, coords, layout) is not None
+    return _in_child_process(
+        lambda: _valid_outputs(sample, tuple(p[0] for p in placements), mesh_shape, coords, layout) is not None
+    ) is True
+
+
+_CHILD_RAISED = 2
+
+
+def _in_child_process(probe: Callable[[], bool]) -> bool | None:
+    """probe() run in a forked copy of this process: its answer, or None where the copy died of a signal.
+
+    The probe runs the op on pieces that need not belong together (data sharded, segment offsets whole). Kernels
+    that trust their index inputs (segment_reduce with offsets, the _unsafe_* ops) read out of bounds on such
+    pieces and can kill the process; in a fork the crash only ends the copy, and counts as "no valid local layout".
+    """
+    pid = os.fork()
+    if pid == 0:  # the copy: answer through the exit status, never return into the caller's code
+        code = _CHILD_RAISED
+        try:
+            faulthandler.disable()  # a crash here is an expected answer, not a report for the log
+            torch.set_num_threads(1)  # the parent's intra-op worker threads do not exist in a fork
+            code = int(bool(probe()))
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except BaseException:  # the run's time limit (or ^C) fired while waiting: take the copy down with it
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    if os.WIFSIGNALED(status):
+        return None
+    if os.WEXITSTATUS(status) == _CHILD_RAISED:
+        raise RuntimeError("the communication-free probe raised in its child process (traceback above)")
+    return os.WEXITSTATUS(status) == 1
 
 
 def _place_exactly(t: torch.Tensor, placements, mesh_shape, coords) -> dict[int, torch.Tensor]:

@@ -6,6 +6,8 @@ import contextlib
 import io
 import itertools
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext.__main__ import main
 from dtensor_ext._compat import Partial, Replicate, Shard
-from dtensor_ext.opdb_coverage import Options, _place_exactly, excluded_reason, format_report, measure
+from dtensor_ext.opdb_coverage import (
+    Options, _in_child_process, _place_exactly, excluded_reason, format_report, measure,
+)
 
 ONE_D = ("1d4",)
 
@@ -35,13 +39,12 @@ def test_op_torch_lacks_fails_without_package_and_is_fixed_by_its_family():
 
 def _wrong_mv_rule():
     """mv with the matrix sharded on k and the vector on k claims a Replicate output; the truth is Partial."""
-    return _torch_mv_rule(lambda op, args, kwargs: [[Replicate(), Shard(1), Shard(0)]])
+    return _torch_rule(torch.ops.aten.mv.default, lambda op, args, kwargs: [[Replicate(), Shard(1), Shard(0)]])
 
 
 @contextlib.contextmanager
-def _torch_mv_rule(rule):
-    """`rule` placed in torch's own table for mv (so install() leaves it alone) for the duration."""
-    op = torch.ops.aten.mv.default
+def _torch_rule(op, rule):
+    """`rule` placed in torch's own table for `op` (so install() leaves it alone) for the duration."""
     dtensor_ext.uninstall()
     before = _compat.snapshot_registration(op)
     _compat.register_single_dim(op, rule)
@@ -69,11 +72,29 @@ def test_a_wrong_rule_is_counted_as_wrong_and_fails_the_command():
 
 def test_communication_where_a_local_strategy_exists_is_reported():
     # a replicate-only mv rule makes DTensor gather sharded inputs although mv could run on each rank's pieces
-    with _torch_mv_rule(lambda op, args, kwargs: []):
+    with _torch_rule(torch.ops.aten.mv.default, lambda op, args, kwargs: []):
         result = measure(Options(ops=["mv"], max_samples=1, max_shardings=20, meshes=ONE_D))
     assert _statuses(result, "1d4", "without")["mv"] == "correct"
     assert result["results"]["1d4"]["without"]["communicated_although_local_possible"] == ["mv"]
     assert result["results"]["1d4"]["without"]["examples"]["mv"]["communicated"].startswith("sample 0 [(")
+
+
+def test_the_communication_free_probe_survives_kernels_that_crash_on_mismatched_pieces():
+    """segment_reduce trusts its offsets: DTensor gathers the sharded data and the run is correct, then the probe
+    runs the kernel on a data shard with the whole offsets, which reads out of bounds and (in one process) used to
+    kill the measurement with SIGSEGV. The probe runs in a fork now; the crash counts as no valid local layout."""
+    with _torch_rule(torch.ops.aten.segment_reduce.default, lambda op, args, kwargs: []):
+        result = measure(Options(ops=["_segment_reduce.offsets"], max_samples=4, max_shardings=8, meshes=ONE_D))
+    assert result["results"]["1d4"]["without"]["runs"]["correct"] > 0
+    assert result["results"]["1d4"]["without"]["communicated_although_local_possible"] == []
+
+
+def test_probe_child_reports_its_answer_a_crash_and_an_exception():
+    assert _in_child_process(lambda: True) is True
+    assert _in_child_process(lambda: False) is False
+    assert _in_child_process(lambda: os.kill(os.getpid(), signal.SIGSEGV)) is None
+    with pytest.raises(RuntimeError, match="probe raised in its child process"):
+        _in_child_process(lambda: 1 / 0)
 
 
 def test_excluded_classes_are_listed_and_not_run():

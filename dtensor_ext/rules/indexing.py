@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dtensor_ext._compat import Partial, Replicate, RuntimeSchemaInfo
 from dtensor_ext._compat import ShardingPlaceholder as S
 from dtensor_ext.registry import single_dim_rule
@@ -298,13 +300,19 @@ def embedding_bag_rule(op, args, kwargs):
 
     Sharding the embedding dim shards the bags and max_indices (per column); offset2bag and bag_size depend on the
     indices only. sum/mean bags are linear in the weight.
+
+    torch 2.13's CPU kernel raises ("Expected i < index_size") on a table with no columns in sum/mean mode for
+    every dtype but float64, and DTensor's chunking leaves a rank with no columns (5 columns on 4 ranks: 2,2,1,0).
+    A rule cannot see the mesh size, so those modes shard the columns only for float64.
     """
     weight, indices, offsets = args[:3]
     mode = args[4] if len(args) > 4 else kwargs.get("mode", 0)
     per_sample_weights = args[6] if len(args) > 6 else kwargs.get("per_sample_weights")
     psw = [R()] if per_sample_weights is not None else []
     max_mode = mode == _EMBEDDING_BAG_MAX
-    rows = [[S(1), R(), R(), S(1) if max_mode else R(), S(1), R(), R(), *psw]]
+    rows = []
+    if max_mode or weight.dtype == torch.float64:
+        rows.append([S(1), R(), R(), S(1) if max_mode else R(), S(1), R(), R(), *psw])
     if not max_mode:  # (under max the argmax of a Partial weight differs per rank)
         kinds = _partial_kinds(weight, LINEAR_REDUCTIONS)
         rows += [[Partial(k), R(), R(), R(), Partial(k), R(), R(), *psw] for k in kinds]

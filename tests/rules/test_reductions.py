@@ -55,7 +55,7 @@ def test_hash_tensor_proven(mesh_shape, sample, keepdim):
 
 
 @PROVING_MESHES
-@given(sample=reduction_samples(min_dims=1), keepdim=st.booleans())
+@given(sample=reduction_samples(min_dims=0), keepdim=st.booleans())
 def test_logsumexp_proven(mesh_shape, sample, keepdim):
     shape, dims = sample
     args = [sample_tensor(shape), dims or [0], keepdim]
@@ -125,3 +125,18 @@ def test_end_to_end_reductions(installed):
     torch.testing.assert_close(counts_full, torch.count_nonzero(ints, dim=1))
     assert lse_placements == (Shard(1), Shard(2))
     torch.testing.assert_close(lse_full, torch.logsumexp(x, 0, keepdim=True))
+
+
+def test_upgraded_logsumexp_runs_a_0d_input_torch_rejects():
+    """torch's logsumexp rule asserts on a 0-d input reduced over dim 0 (the first OpInfo sample of logsumexp and
+    masked.logsumexp: "Expected reduce_dims to not be None"); the upgraded rule shards nothing there and runs it."""
+    x = sample_tensor(())
+    try:
+        dtensor_ext.install(upgrade=["aten::logsumexp"])
+        with simulated_mesh((2, 2)) as mesh:
+            out = torch.logsumexp(distribute_tensor(x, mesh, [Replicate(), Replicate()]), [0], True)
+            placements, full = out.placements, out.full_tensor()
+    finally:
+        dtensor_ext.install()
+    assert placements == (Replicate(), Replicate())
+    torch.testing.assert_close(full, torch.logsumexp(x, [0], True))
