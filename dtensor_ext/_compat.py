@@ -494,6 +494,8 @@ def min_cost_selector() -> Callable:
 
 def set_min_cost_selector(select: Callable) -> None:
     _sharding_prop_module._select_min_cost_strategy = select
+
+
 def load_linear_cross_entropy_ops() -> bool:
     """Define torch's chunked linear-cross-entropy custom ops (torch_nn::_linear_cross_entropy_batch_chunked*),
     which torch only registers when their module is first imported; False where this torch has no such module."""
