@@ -484,3 +484,17 @@ def strategy_function_name(op: OpOverload) -> str | None:
     """Name of the op_strategy function torch registered for `op` (to recognise a known faulty one), or None."""
     func = propagator().op_strategy_funcs.get(op)
     return getattr(func, "__name__", None)
+
+
+def mask_buffer_type() -> type:
+    """DTensor's holder of the mask a `_MaskPartial` reduction (embedding, gather) zeroes before summing."""
+    from torch.distributed.tensor._ops._mask_buffer import MaskBuffer
+
+    return MaskBuffer
+
+
+def per_simulated_rank(func: Callable) -> Callable:
+    """`func` run once per simulated rank on that rank's values under LocalTensorMode; unchanged outside it."""
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+    return maybe_run_for_local_tensor(func)
