@@ -77,15 +77,3 @@ def test_layouts_torch_handled_keep_placements_and_collectives(restore_install):
                     outs = [F.embedding(index, dweight) for index in indices]
                 seen.setdefault(fix, []).append(([str(o.placements) for o in outs], comm.get_total_counts()))
     assert seen[True] == seen[False]
-
-
-def test_max_norm_rescales_a_replicated_weight(restore_install):
-    dtensor_ext.install()
-    weight, index = sample_tensor((6, 4)) * 3, torch.tensor([[0, 5], [2, 0]])
-    expected_weight = weight.clone()
-    expected = F.embedding(index, expected_weight, max_norm=1.0)
-    with simulated_mesh((2,)) as mesh:
-        dweight = distribute_tensor(weight, mesh, [Replicate()])
-        out = F.embedding(distribute_tensor(index, mesh, [Shard(0)]), dweight, max_norm=1.0)
-        torch.testing.assert_close(out.full_tensor(), expected)
-        torch.testing.assert_close(dweight.full_tensor(), expected_weight)  # rows rescaled in place, as on one device
