@@ -5,9 +5,8 @@ torch's `nll_loss_forward_strategy` (`torch/distributed/tensor/_ops/_math_ops.py
 (the summed class weights of its non-ignored targets), so averaging the shards' means is the global mean only when
 every shard has the same total weight: with class weights or an `ignore_index` target it is a WRONG result even on
 even shards, and on uneven shards torch raises instead of choosing another layout (`cross_entropy` of a batch of
-2 on 4 ranks). The replacement rule keeps torch's layouts where they are right (an unreduced loss stays sharded
-like the batch; a summed one is `Partial(sum)`, total weight too) and for a mean asks for the batch whole, or
-takes a `Partial` input (the loss is linear in its input for a fixed target).
+2 on 4 ranks). The fix hands torch's own strategy a whole batch for a mean (the layouts it then derives gather the
+batch; a Partial input stays its business) and leaves unreduced and summed losses entirely to it.
 """
 
 from __future__ import annotations
@@ -15,36 +14,38 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import Partial, Replicate, ShardingPlaceholder, TensorMeta
-from dtensor_ext.torch_fixes import replace_rule, torch_fix
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
+from dtensor_ext.torch_fixes import torch_fix
 
 aten = torch.ops.aten
 
-NONE, MEAN = 0, 1  # torch's Reduction enum; 2 is sum
+MEAN = 1  # torch's Reduction enum: 0 none, 1 mean, 2 sum
 
 
-def nll_loss_forward_rule(op, args_meta, kwargs_meta):
-    """(self [N, C, *d] or [C], target [N, *d] or [], weight [C] or None, reduction, ignore_index) ->
-    (loss, total_weight). A sample's loss reads its whole row of class scores: only the batch and spatial dims
-    shard, and only where the reduction is none (sharded loss) or sum (partial sums)."""
-    self, target, weight, reduction = args_meta[:4]
-    class_weight = [Replicate()] if isinstance(weight, TensorMeta) else []
-    # linear in self; total_weight comes from the replicated target alone, so every rank has it whole
-    rows = [[Partial(r), Replicate(), Partial(r), Replicate(), *class_weight] for r in ("sum", "avg")]
-    if reduction == MEAN:
-        return rows
-    if class_weight:  # unreduced or summed, loss and total weight are linear in the class weights too
-        rows += [[Partial(r), Partial(r), Replicate(), Replicate(), Partial(r)] for r in ("sum", "avg")]
-    if len(self.shape) < 2:
-        return rows
-    for dim in (d for d in range(len(self.shape)) if d != 1):  # dim 1 holds the classes
-        target_dim = dim if dim == 0 else dim - 1
-        if reduction == NONE:  # total_weight is 0 on every rank
-            loss, total_weight = ShardingPlaceholder(target_dim), Replicate()
-        else:
-            loss, total_weight = Partial("sum"), Partial("sum")
-        rows.append([loss, total_weight, ShardingPlaceholder(dim), ShardingPlaceholder(target_dim), *class_weight])
-    return rows
+def _unsharded(strategy: OpStrategy) -> OpStrategy:
+    """The same layouts with every Shard made Replicate."""
+
+    def whole(spec: DTensorSpec) -> DTensorSpec:
+        placements = tuple(Replicate() if p.is_shard() else p for p in spec.placements)
+        return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+    return OpStrategy([OpSpec(output_specs=whole(s.output_spec)) for s in strategy.strategies])
+
+
+def mean_over_the_whole_batch(torch_strategy):
+    def nll_loss_forward_whole_batch_mean(op_schema: OpSchema) -> OpStrategy:
+        self, target, weight, reduction, *rest = op_schema.args_schema
+        if reduction != MEAN:
+            return torch_strategy(op_schema)
+        unsharded = OpSchema(op_schema.op, (_unsharded(self), _unsharded(target), weight, reduction, *rest),
+                             op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+        chosen = torch_strategy(unsharded)
+        sources = [s for s in (self, target, weight) if isinstance(s, OpStrategy)]
+        for spec in chosen.strategies:  # costs from where the inputs really are
+            spec.redistribute_cost = [_compat.redistribute_costs(s, t) for s, t in zip(sources, spec.input_specs)]
+        return chosen
+
+    return nll_loss_forward_whole_batch_mean
 
 
 _AVERAGING_STRATEGY = "nll_loss_forward_strategy"  # torch 2.13's op_strategy, Partial(avg) for a mean
@@ -61,7 +62,7 @@ def fix_nll_loss_mean():
     faulty = [op for op in ops if _compat.strategy_function_name(op) == _AVERAGING_STRATEGY]
     if not faulty:
         return None
-    undos = [replace_rule(op, nll_loss_forward_rule, schema_info=_compat.RuntimeSchemaInfo(3)) for op in faulty]
+    undos = [_compat.wrap_op_strategy(op, mean_over_the_whole_batch) for op in faulty]
 
     def undo():
         for undo_one in reversed(undos):

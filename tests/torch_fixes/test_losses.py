@@ -9,8 +9,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
-from dtensor_ext.testing import check_rule, sample_tensor, simulated_mesh
-from dtensor_ext.torch_fixes.losses import nll_loss_forward_rule
+from dtensor_ext.testing import sample_tensor, simulated_mesh
+from dtensor_ext.testing.mesh import place_dtensor
 
 aten = torch.ops.aten
 REDUCTIONS = ("none", "mean", "sum")
@@ -77,19 +77,6 @@ def test_sharded_batch_gives_the_one_device_loss_and_gradient(fixed, mesh_shape,
                 torch.testing.assert_close(grad, expected_grad)
 
 
-def test_partial_scores_give_the_one_device_mean(fixed):
-    x, target, weight = sample_tensor((5, 4)), _targets(5, 4, seed=3, ignored=(0,)), torch.tensor([1.0, 2, 3, 4])
-    pieces = {0: x.round(), 1: x - x.round()}
-    with simulated_mesh((2,)) as mesh:
-        from dtensor_ext._compat import LocalTensor
-        from torch.distributed.tensor import DTensor
-
-        dx = DTensor.from_local(LocalTensor(pieces), mesh, [Partial()], run_check=False)
-        rep = [Replicate()]
-        loss = F.nll_loss(dx, distribute_tensor(target, mesh, rep), weight=distribute_tensor(weight, mesh, rep))
-        torch.testing.assert_close(loss.full_tensor(), F.nll_loss(x, target, weight=weight))
-
-
 @pytest.mark.parametrize("reduction", [0, 2])
 def test_layouts_torch_got_right_are_kept_without_extra_collectives(reduction):
     """Unreduced and summed losses: same output placements and collectives with and without the fix."""
@@ -120,20 +107,24 @@ def test_layouts_torch_got_right_are_kept_without_extra_collectives(reduction):
 @given(
     batch=st.integers(1, 6),
     classes=st.integers(1, 4),
-    spatial=st.sampled_from([(), (3,), (2, 3)]),
+    images=st.booleans(),
     weighted=st.booleans(),
-    reduction=st.sampled_from([0, 1, 2]),
-    mesh_shape=st.sampled_from([(2,), (3,), (2, 2)]),
+    reduction=st.sampled_from(REDUCTIONS),
+    mesh_shape=st.sampled_from([(4,), (2, 2)]),
+    layout=st.lists(st.sampled_from(["S0", "S1", "R", "P"]), min_size=2, max_size=2),
 )
-def test_rule_is_proven(batch, classes, spatial, weighted, reduction, mesh_shape):
-    op = aten.nll_loss2d_forward.default if len(spatial) == 2 else aten.nll_loss_forward.default
-    if len(spatial) == 1:  # nll_loss_forward takes [N, C] or [C]: the 1-D case
-        x, target = sample_tensor((classes,)), torch.tensor(batch % classes)
-    else:
-        x = sample_tensor((batch, classes, *spatial))
-        target = torch.randint(0, classes, (batch, *spatial), generator=torch.Generator().manual_seed(batch))
-        target.view(-1)[0] = -100
+def test_any_layout_gives_the_one_device_loss(batch, classes, images, weighted, reduction, mesh_shape, layout):
+    spatial = (2, 3) if images else ()
+    x = sample_tensor((batch, classes, *spatial))
+    target = torch.randint(0, classes, (batch, *spatial), generator=torch.Generator().manual_seed(batch))
+    target.view(-1)[0] = -100  # one ignored target
     weight = sample_tensor((classes,), seed=5).abs() + 0.5 if weighted else None
-    report = check_rule(op, (x, target, weight, reduction, -100), mesh_shape=mesh_shape, rule=nll_loss_forward_rule,
-                        search_missing=False)
-    assert report.ok, str(report)
+    expected = F.nll_loss(x, target, weight=weight, reduction=reduction)
+    by_name = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+    x_placements = [by_name[n] for n in layout[: len(mesh_shape)]]
+    target_placements = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in x_placements]
+    with simulated_mesh(mesh_shape) as mesh:
+        rep = [Replicate()] * mesh.ndim
+        loss = F.nll_loss(place_dtensor(x, mesh, x_placements), distribute_tensor(target, mesh, target_placements),
+                          weight=None if weight is None else distribute_tensor(weight, mesh, rep), reduction=reduction)
+        torch.testing.assert_close(loss.full_tensor(), expected)
