@@ -504,3 +504,32 @@ def load_linear_cross_entropy_ops() -> bool:
     except ModuleNotFoundError:
         return False
     return True
+
+
+def mask_buffer_type() -> type:
+    """DTensor's holder of the mask a `_MaskPartial` reduction (embedding, gather) zeroes before summing."""
+    from torch.distributed.tensor._ops._mask_buffer import MaskBuffer
+
+    return MaskBuffer
+
+
+def per_simulated_rank(func: Callable) -> Callable:
+    """`func` run once per simulated rank on that rank's values under LocalTensorMode; unchanged outside it."""
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+    return maybe_run_for_local_tensor(func)
+
+
+def wrap_op_strategy(op: OpOverload, wrap: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Replace torch's op_strategy function for `op` by `wrap(torch's)`; returns the undo."""
+    snapshot = snapshot_registration(op)
+    strategies = propagator().op_strategy_funcs
+    strategies[op] = wrap(strategies[op])
+    return lambda: restore_registration(op, snapshot)
+
+
+def redistribute_costs(source: OpStrategy, target: DTensorSpec) -> list[float]:
+    """torch's cost of moving each of `source`'s layouts to `target` (one OpSpec's redistribute_cost row)."""
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+
+    return generate_redistribute_costs(source, target)

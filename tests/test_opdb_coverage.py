@@ -97,6 +97,13 @@ def test_probe_child_reports_its_answer_a_crash_and_an_exception():
         _in_child_process(lambda: 1 / 0)
 
 
+def test_an_op_calling_one_module_twice_is_measured():
+    # triplet_margin_with_distance_loss calls its distance module twice; torch's CommDebugMode fails on that
+    result = measure(Options(ops=["nn.functional.triplet_margin_with_distance_loss"], max_samples=1,
+                             max_shardings=2, meshes=ONE_D))
+    assert result["results"]["1d4"]["with"]["runs"] == {"correct": 2}
+
+
 def test_excluded_classes_are_listed_and_not_run():
     assert excluded_reason("nonzero") == "data-dependent output shape"
     assert excluded_reason("nn.functional.dropout2d") == "random"

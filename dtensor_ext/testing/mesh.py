@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtensor_ext import _compat
 from dtensor_ext._compat import LocalTensor, LocalTensorMode, current_local_tensor_mode, local_tensor_values
 
 __all__ = ["MESH_SHAPES", "active_mode", "simulated_mesh", "rank_coordinates", "local_values", "place_dtensor"]
@@ -54,10 +55,38 @@ def simulated_mesh(
         raise ValueError(f"mesh_dim_names {tuple(mesh_dim_names)} must name each of the {len(dims)} mesh dims")
     world = math.prod(dims)
     _ensure_fake_world(world)
-    with LocalTensorMode(frozenset(range(world))):
+    with LocalTensorMode(frozenset(range(world))), _masks_applied_per_rank():
         yield init_device_mesh(
             device_type, dims, mesh_dim_names=tuple(mesh_dim_names) if mesh_dim_names else None
         )
+
+
+@contextlib.contextmanager
+def _masks_applied_per_rank() -> Iterator[None]:
+    """Run DTensor's masking of rows a rank does not own once per simulated rank, as real ranks do.
+
+    A `_MaskPartial` output (embedding, gather) zeroes those rows by Python indexing with a boolean mask. With a
+    0-d mask (the embedding of a 0-d index) the indexing asks for the mask's single bool, which differs between
+    simulated ranks, and LocalTensor raises "'LocalIntNode' object has no attribute 'guard_int'"; each real rank
+    holds a plain bool of its own and succeeds.
+    """
+    mask_buffer = _compat.mask_buffer_type()
+    apply_mask = mask_buffer.apply_mask
+
+    @_compat.per_simulated_rank
+    def apply_on_rank(tensor: torch.Tensor, mask: torch.Tensor) -> None:
+        apply_mask(mask_buffer(data=mask, refcount=1), tensor)
+
+    def apply_mask_per_rank(self, tensor: torch.Tensor) -> None:
+        if self.data is None or self.refcount == 0:
+            return apply_mask(self, tensor)  # torch's own error
+        apply_on_rank(tensor, self.data)
+
+    mask_buffer.apply_mask = apply_mask_per_rank
+    try:
+        yield
+    finally:
+        mask_buffer.apply_mask = apply_mask
 
 
 def active_mode() -> LocalTensorMode:

@@ -48,7 +48,9 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
 
 
 def declared_fixes() -> dict[str, TorchFix]:
-    from dtensor_ext.torch_fixes import conv_handlers, infeasible_choice, inplace_shift, partial_fill  # noqa: F401
+    from dtensor_ext.torch_fixes import (  # noqa: F401  (declares the fixes)
+        conv_handlers, embedding_rows, infeasible_choice, inplace_shift, list_indices, losses, partial_fill,
+    )
 
     return dict(_FIXES)
 

@@ -1,0 +1,58 @@
+"""Indexing a DTensor with a Python list of ints (`x[[1, 2]]`, `x[[0, 2], [1, 3]]`, `x[[1, 2]] = v`).
+
+torch turns such a list into an index tensor in C++ (`Tensor.__getitem__` / `__setitem__`) and passes it to
+`aten.index` / `aten.index_put_` next to the DTensor; DTensor refuses any plain tensor of more than one element
+("got mixed torch.Tensor and DTensor"), so a list of one int works and a list of two fails. The list is Python
+data every rank holds, like an int or a slice index, so the fix turns it into a replicated DTensor index before
+torch does; a plain tensor index the user passes is left to DTensor's refusal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dtensor_ext._compat import Replicate
+from dtensor_ext.torch_fixes import torch_fix
+
+
+def _is_index_list(part: Any) -> bool:
+    """A flat list of ints: torch makes it an index tensor, never a tuple of indices. (A list of bools is a mask,
+    whose selection has a data-dependent shape: left alone.)"""
+    return type(part) is list and bool(part) and all(type(i) is int for i in part)
+
+
+def _replicated(like: DTensor, part: list) -> DTensor:
+    local = torch.tensor(part, device=like.device)
+    return DTensor.from_local(local, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
+
+
+def _with_replicated_lists(self: DTensor, index: Any) -> Any:
+    if isinstance(index, tuple):
+        return tuple(_replicated(self, p) if _is_index_list(p) else p for p in index)
+    return _replicated(self, index) if _is_index_list(index) else index
+
+
+@torch_fix(
+    "DTensor indexing with a Python list",
+    ops=("aten::index.Tensor", "aten::index_put_.default"),
+    why="x[[1, 2]] on a DTensor fails: torch makes the list a plain index tensor, which DTensor refuses as mixed",
+)
+def fix_list_indices():
+    if "__getitem__" in vars(DTensor) or "__setitem__" in vars(DTensor):
+        return None  # this torch indexes DTensors in Python already
+
+    def getitem(self, index):
+        return torch.Tensor.__getitem__(self, _with_replicated_lists(self, index))
+
+    def setitem(self, index, value):
+        return torch.Tensor.__setitem__(self, _with_replicated_lists(self, index), value)
+
+    DTensor.__getitem__, DTensor.__setitem__ = getitem, setitem
+
+    def undo():
+        del DTensor.__getitem__, DTensor.__setitem__
+
+    return undo

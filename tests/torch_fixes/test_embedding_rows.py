@@ -1,0 +1,79 @@
+"""Embedding with the rows sharded on two mesh dims (WRONG in torch 2.13) or into empty shards (error)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import dtensor_ext
+from dtensor_ext.testing import sample_tensor, simulated_mesh
+from dtensor_ext.testing.mesh import place_dtensor
+
+INDICES = [torch.tensor(3), torch.tensor([9, 0, 4]), torch.tensor([[1, 9], [4, 5]])]
+
+
+@pytest.fixture
+def restore_install():
+    yield
+    dtensor_ext.install()
+
+
+def _inputs(mesh, weight, weight_placements, index_placements=None):
+    dweight = distribute_tensor(weight, mesh, weight_placements)
+    indices = []
+    for index in INDICES:
+        placements = index_placements if index_placements and index.dim() else [Replicate()] * mesh.ndim
+        indices.append(distribute_tensor(index, mesh, placements))
+    return dweight, indices
+
+
+def _lookups(mesh, weight, weight_placements, index_placements=None):
+    dweight, indices = _inputs(mesh, weight, weight_placements, index_placements)
+    return [F.embedding(index, dweight) for index in indices]
+
+
+def test_torch_alone_is_wrong_or_fails(restore_install):
+    dtensor_ext.install(fix_torch=False)
+    weight, small = sample_tensor((10, 5)), sample_tensor((5, 5))
+    with simulated_mesh((2, 2)) as mesh:
+        with pytest.raises((IndexError, RuntimeError)):  # rows of the second mesh dim masked against the wrong rows
+            _lookups(mesh, weight, [Shard(0), Shard(0)])
+    with simulated_mesh((4,)) as mesh:
+        with pytest.raises(RuntimeError, match="index_select"):  # 5 rows on 4 ranks: the last shard is empty
+            _lookups(mesh, small, [Shard(0)])
+
+
+@pytest.mark.parametrize("mesh_shape, weight_placements", [
+    ((2, 2), [Shard(0), Shard(0)]),
+    ((4,), [Shard(0)]),
+    ((2, 2), [Shard(0), Replicate()]),
+    ((2, 2), [Partial(), Shard(0)]),
+])
+@pytest.mark.parametrize("rows", [10, 5, 3])
+def test_lookups_give_the_one_device_rows(restore_install, mesh_shape, weight_placements, rows):
+    dtensor_ext.install()
+    weight = sample_tensor((rows, 4))
+    expected = [F.embedding(index % rows, weight) for index in INDICES]
+    with simulated_mesh(mesh_shape) as mesh:
+        dweight = place_dtensor(weight, mesh, weight_placements)
+        for index, want in zip(INDICES, expected):
+            out = F.embedding(distribute_tensor(index % rows, mesh, [Replicate()] * mesh.ndim), dweight)
+            torch.testing.assert_close(out.full_tensor(), want)
+
+
+def test_layouts_torch_handled_keep_placements_and_collectives(restore_install):
+    weight = sample_tensor((10, 6))
+    cases = [([Shard(0), Replicate()], None), ([Replicate(), Shard(0)], None), ([Shard(1), Shard(0)], None),
+             ([Replicate(), Replicate()], [Shard(0), Replicate()]), ([Shard(0), Replicate()], [Replicate(), Shard(0)])]
+    seen = {}
+    for fix in (False, True):
+        dtensor_ext.install(fix_torch=fix)
+        with simulated_mesh((2, 2)) as mesh:
+            for weight_placements, index_placements in cases:
+                dweight, indices = _inputs(mesh, weight, weight_placements, index_placements)
+                comm = CommDebugMode()
+                with comm:
+                    outs = [F.embedding(index, dweight) for index in indices]
+                seen.setdefault(fix, []).append(([str(o.placements) for o in outs], comm.get_total_counts()))
+    assert seen[True] == seen[False]
