@@ -484,3 +484,41 @@ def strategy_function_name(op: OpOverload) -> str | None:
     """Name of the op_strategy function torch registered for `op` (to recognise a known faulty one), or None."""
     func = propagator().op_strategy_funcs.get(op)
     return getattr(func, "__name__", None)
+
+
+def generate_redistribute_costs(source: OpStrategy, target: DTensorSpec) -> list[float]:
+    """DTensor's cost of moving each of `source`'s strategies to `target` (one row of an OpSpec's costs)."""
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs as costs
+
+    return costs(source, target)
+
+
+def op_strategy_func(op: OpOverload) -> Callable | None:
+    """The op_strategy function torch registered for `op`, or None."""
+    return propagator().op_strategy_funcs.get(op)
+
+
+def register_op_strategy(op: OpOverload, func: Callable, *, schema_info: RuntimeSchemaInfo | None = None) -> None:
+    propagator().register_op_strategy(op, func, schema_info)
+
+
+def expand_sharding(placements: Sequence[Placement], input_shape: Sequence[int], sizes: Sequence[int], mesh_sizes):
+    """torch's view-op propagation for `expand` (input target placements, output placements); may raise."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    rule = _view_ops.expand(tuple(input_shape), tuple(sizes))
+    return _view_ops.propagate_shape_and_sharding(placements, tuple(input_shape), rule, tuple(mesh_sizes))
+
+
+def register_view_strategy(op: OpOverload, torch_function: Callable, *, schema_info: RuntimeSchemaInfo | None) -> None:
+    """Give `op` torch's view-op strategy for `torch_function`'s dim map, redistributing where a dim cannot stay
+    sharded (the non-strict form torch uses for reshape and view_copy)."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    _view_ops.register_op_strategy_map(op, torch_function, schema_info=schema_info, strict_view=False)
+
+
+def squeeze_dims_variants() -> dict | None:
+    """DTensor's table of squeeze ops whose dims it rewrites to the GLOBAL size-1 dims before the local call
+    (so that a shard whose local size is 1 is not squeezed); None on a torch without it."""
+    return getattr(propagator(), "squeeze_op_to_dims_variant", None)
