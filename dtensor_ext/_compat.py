@@ -522,3 +522,11 @@ def squeeze_dims_variants() -> dict | None:
     """DTensor's table of squeeze ops whose dims it rewrites to the GLOBAL size-1 dims before the local call
     (so that a shard whose local size is 1 is not squeezed); None on a torch without it."""
     return getattr(propagator(), "squeeze_op_to_dims_variant", None)
+
+
+def unbind_refuses_sharded_dim() -> bool:
+    """Whether torch's unbind strategy raises for a sharded unbind dim instead of replicating it (feature check:
+    its code carries the refusal message)."""
+    func = op_strategy_func(torch.ops.aten.unbind.int)
+    consts = getattr(getattr(func, "__code__", None), "co_consts", ())
+    return any(isinstance(c, str) and "cannot be performed without redistribution" in c for c in consts)
