@@ -530,3 +530,11 @@ def unbind_refuses_sharded_dim() -> bool:
     func = op_strategy_func(torch.ops.aten.unbind.int)
     consts = getattr(getattr(func, "__code__", None), "co_consts", ())
     return any(isinstance(c, str) and "cannot be performed without redistribution" in c for c in consts)
+
+
+def view_groups_drops_empty_dims() -> bool:
+    """Whether torch's view dim mapping loses a size-0 dim in an identity view (feature check; the hanging
+    cases are not probed)."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    return _view_ops.view_groups((0, 4), (0, 4)) != (_view_ops.InputDim(0), _view_ops.InputDim(1))

@@ -48,7 +48,7 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
 
 
 def declared_fixes() -> dict[str, TorchFix]:
-    from dtensor_ext.torch_fixes import conv_handlers, copy_variants, partial_fill, replicate_first  # noqa: F401  (declares the fixes)
+    from dtensor_ext.torch_fixes import conv_handlers, copy_variants, empty_views, partial_fill, replicate_first  # noqa: F401  (declares the fixes)
 
     return dict(_FIXES)
 
