@@ -10,9 +10,11 @@ on each rank's local tensor:
   (`_sharding_prop.py`, `squeeze_op_to_dims_variant`). The fix enters `squeeze_copy.dims` in that table with
   torch's non-strict view strategy for `torch.squeeze` (a copy may redistribute: a squeezed size-1 dim that is
   sharded is replicated first), and sends `squeeze_copy()` / `squeeze_copy(dim)` there.
-- `unsafe_split` fails with "`output_specs` has 1 output which does not equal the number of op outputs: 1" (the
-  fallback returns one spec for a list output). It is `split` without view tracking, so it gets torch's
-  `split` strategy.
+- `unsafe_split` / `unsafe_split_with_sizes` into a single piece fail with "`output_specs` has 1 output which does
+  not equal the number of op outputs: 1" (the fallback returns a bare spec for a one-element list). They are
+  `split` / `split_with_sizes` without view tracking, so they get torch's split strategy.
+
+Both strategies also keep a Partial input Partial, where the fallback all-reduced it first.
 """
 
 from __future__ import annotations
