@@ -1,24 +1,14 @@
 """squeeze_copy (ranks squeezed local size-1 shards) and unsafe_split (fallback lost the list output)."""
 
-import itertools
-
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor import Shard
 
 import dtensor_ext
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+from tests.torch_fixes.sharded_runs import agrees, correct_runs, layouts
 
 MESHES = pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
-
-
-def _agrees(t, expected) -> bool:
-    return all(torch.allclose(v, expected, atol=1e-5) for v in local_values(t.full_tensor()).values())
-
-
-def _layouts(t, mesh_ndim):
-    return list(itertools.product([Replicate(), Partial(), *(Shard(d) for d in range(t.ndim))], repeat=mesh_ndim))
 
 
 def test_squeeze_copy_gives_ranks_different_ndims_in_torch(torch_only):
@@ -46,10 +36,10 @@ def test_squeeze_copy_is_right_for_every_layout_when_fixed(mesh_shape, name):
     x = torch.randn(5, 1, 5, 1)
     expected = squeeze(x)
     with simulated_mesh(mesh_shape) as mesh:
-        for placements in _layouts(x, len(mesh_shape)):
+        for placements in layouts(x, len(mesh_shape)):
             out = squeeze(place_dtensor(x, mesh, list(placements)))
             assert {v.ndim for v in local_values(out).values()} == {expected.ndim}, placements
-            assert _agrees(out, expected), placements
+            assert agrees(out, expected), placements
 
 
 SPLITS = {  # name -> (split, the pieces are one piece: torch's fallback fails exactly there)
@@ -68,30 +58,14 @@ def test_unsafe_split_into_one_piece_fails_in_torch_and_every_split_is_right_whe
     x = torch.randn(5, 5)
     expected = split(x)
     with simulated_mesh(mesh_shape) as mesh:
-        for placements in _layouts(x, len(mesh_shape)):
+        for placements in layouts(x, len(mesh_shape)):
             x_d = place_dtensor(x, mesh, list(placements))
             if fix_state == "torch only" and one_piece:
                 with pytest.raises(RuntimeError, match="output_specs"):
                     split(x_d)
                 continue
             outs = split(x_d)
-            assert len(outs) == len(expected) and all(_agrees(o, e) for o, e in zip(outs, expected)), placements
-
-
-def _run_everywhere(run, x, mesh_shape, expected):
-    results = {}
-    with simulated_mesh(mesh_shape) as mesh:
-        for placements in _layouts(x, len(mesh_shape)):
-            try:
-                x_d = place_dtensor(x, mesh, list(placements))
-                with CommDebugMode() as comms:
-                    out = run(x_d)
-                outs = out if isinstance(out, (tuple, list)) else (out,)
-                if all(_agrees(o, e) for o, e in zip(outs, expected)):
-                    results[placements] = (tuple(o.placements for o in outs), sum(comms.get_comm_counts().values()))
-            except (RuntimeError, IndexError):  # torch's invalid squeeze_copy results fail in full_tensor()
-                continue
-    return results
+            assert len(outs) == len(expected) and all(agrees(o, e) for o, e in zip(outs, expected)), placements
 
 
 CASES_TORCH_RUNS = {
@@ -112,9 +86,9 @@ def test_cases_torch_got_right_keep_their_placements_or_lose_collectives(mesh_sh
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     try:
         dtensor_ext.install(fix_torch=False)
-        torch_results = _run_everywhere(run, x, mesh_shape, expected)
+        torch_results = correct_runs(run, x, mesh_shape, expected)
         dtensor_ext.install()
-        fixed_results = _run_everywhere(run, x, mesh_shape, expected)
+        fixed_results = correct_runs(run, x, mesh_shape, expected)
     finally:
         dtensor_ext.install()
     assert len(torch_results) >= 3

@@ -4,18 +4,15 @@ import itertools
 
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+from tests.torch_fixes.sharded_runs import layouts
 
 MESHES = pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
-
-
-def _layouts(t, mesh_ndim):
-    return list(itertools.product([Replicate(), Partial(), *(Shard(d) for d in range(t.ndim))], repeat=mesh_ndim))
 
 
 def _is(t, expected) -> bool:
@@ -36,7 +33,7 @@ def test_identity_view_of_a_sharded_empty_dim_fails_in_torch_and_keeps_placement
     view = VIEWS[name]
     x = torch.zeros(0, 4)
     with simulated_mesh(mesh_shape) as mesh:
-        for placements in _layouts(x, len(mesh_shape)):
+        for placements in layouts(x, len(mesh_shape)):
             x_d = place_dtensor(x, mesh, list(placements))
             if fix_state == "torch only":
                 if Shard(0) in placements:
@@ -58,7 +55,7 @@ def test_torch_view_groups_loses_size_zero_dims(torch_only):
 def test_view_torch_never_returns_from_is_replicated_when_fixed(mesh_shape):
     x = torch.zeros(3, 0)
     with simulated_mesh(mesh_shape) as mesh:
-        for placements in _layouts(x, len(mesh_shape)):
+        for placements in layouts(x, len(mesh_shape)):
             out = place_dtensor(x, mesh, list(placements)).view(0, 3)
             assert out.placements == (Replicate(),) * len(mesh_shape) and _is(out, torch.zeros(0, 3))
 
@@ -73,7 +70,7 @@ def test_views_of_tensors_with_elements_are_left_to_torch(mesh_shape):
     def outcomes():
         seen = []
         with simulated_mesh(mesh_shape) as mesh:
-            for view, placements in itertools.product(views, _layouts(x, len(mesh_shape))):
+            for view, placements in itertools.product(views, layouts(x, len(mesh_shape))):
                 try:
                     with CommDebugMode() as comms:
                         out = view(place_dtensor(x, mesh, list(placements)))

@@ -1,24 +1,14 @@
 """expand of a sharded size-1 dim and unbind along a sharded dim: torch raises, the fix replicates that dim."""
 
-import itertools
-
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor import Shard
 
 import dtensor_ext
-from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+from dtensor_ext.testing import place_dtensor, simulated_mesh
+from tests.torch_fixes.sharded_runs import agrees, correct_runs, layouts
 
 MESHES = pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
-
-
-def _agrees(t, expected) -> bool:
-    return all(torch.allclose(v, expected, atol=1e-5) for v in local_values(t.full_tensor()).values())
-
-
-def _layouts(t, mesh_ndim):
-    return list(itertools.product([Replicate(), Partial(), *(Shard(d) for d in range(t.ndim))], repeat=mesh_ndim))
 
 
 EXPANDS = {
@@ -38,16 +28,16 @@ def test_expanding_a_sharded_size_one_dim_fails_in_torch_and_is_right_when_fixed
     torch.manual_seed(0)
     x = torch.randn(5, 1, 3)
     expected = expand(x)
-    layouts = [p for p in _layouts(x, len(mesh_shape)) if Shard(1) in p]
+    sharded = [p for p in layouts(x, len(mesh_shape)) if Shard(1) in p]
     with simulated_mesh(mesh_shape) as mesh:
-        for placements in layouts:
+        for placements in sharded:
             x_d = place_dtensor(x, mesh, list(placements))
             if fix_state == "torch only":
                 with pytest.raises(RuntimeError, match="^1\n"):  # the bare KeyError of the broadcast dim
                     expand(x_d)
                 continue
             out = expand(x_d)
-            assert _agrees(out, expected), placements
+            assert agrees(out, expected), placements
 
 
 @MESHES
@@ -55,33 +45,16 @@ def test_unbind_along_a_sharded_dim_fails_in_torch_and_is_right_when_fixed(fix_s
     torch.manual_seed(0)
     x = torch.randn(5, 3)
     expected = x.unbind(0)
-    layouts = [p for p in _layouts(x, len(mesh_shape)) if Shard(0) in p]
+    sharded = [p for p in layouts(x, len(mesh_shape)) if Shard(0) in p]
     with simulated_mesh(mesh_shape) as mesh:
-        for placements in layouts:
+        for placements in sharded:
             x_d = place_dtensor(x, mesh, list(placements))
             if fix_state == "torch only":
                 with pytest.raises(RuntimeError, match="unbind along the sharded dimension"):
                     x_d.unbind(0)
                 continue
             outs = x_d.unbind(0)
-            assert len(outs) == 5 and all(_agrees(o, e) for o, e in zip(outs, expected)), placements
-
-
-def _run_everywhere(run, x, mesh_shape, expected):
-    """placements -> (output placements, collective counts) for every layout torch runs correctly."""
-    results = {}
-    with simulated_mesh(mesh_shape) as mesh:
-        for placements in _layouts(x, len(mesh_shape)):
-            try:
-                x_d = place_dtensor(x, mesh, list(placements))
-                with CommDebugMode() as comms:
-                    out = run(x_d)
-            except RuntimeError:
-                continue
-            outs = out if isinstance(out, tuple) else (out,)
-            if all(_agrees(o, e) for o, e in zip(outs, expected)):
-                results[placements] = (tuple(o.placements for o in outs), comms.get_comm_counts())
-    return results
+            assert len(outs) == 5 and all(agrees(o, e) for o, e in zip(outs, expected)), placements
 
 
 @MESHES
@@ -96,11 +69,11 @@ def test_cases_torch_got_right_keep_their_placements_and_collectives(mesh_shape,
         expected = run(x)
     try:
         dtensor_ext.install(fix_torch=False)
-        torch_results = _run_everywhere(run, x, mesh_shape, expected)
+        torch_results = correct_runs(run, x, mesh_shape, expected)
         dtensor_ext.install()
-        fixed_results = _run_everywhere(run, x, mesh_shape, expected)
+        fixed_results = correct_runs(run, x, mesh_shape, expected)
     finally:
         dtensor_ext.install()
     assert len(torch_results) >= 3  # R, P and the shards of dims the op keeps
     assert {p: fixed_results.get(p) for p in torch_results} == torch_results
-    assert len(fixed_results) == len(_layouts(x, len(mesh_shape)))  # and every other layout now runs correctly
+    assert len(fixed_results) == len(layouts(x, len(mesh_shape)))  # and every other layout now runs correctly
