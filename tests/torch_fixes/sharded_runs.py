@@ -6,6 +6,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+import dtensor_ext
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 
 
@@ -35,3 +36,16 @@ def correct_runs(run, x: torch.Tensor, mesh_shape, expected: tuple) -> dict[tupl
             except (RuntimeError, IndexError):  # IndexError: full_tensor() of an invalid DTensor torch returned
                 continue
     return results
+
+
+def correct_runs_without_and_with_fixes(run, x: torch.Tensor, mesh_shape) -> tuple[dict, dict]:
+    """`correct_runs` under torch's own handling (fix_torch=False), then with the fixes; ends installed."""
+    expected = run(x)
+    expected = tuple(expected) if isinstance(expected, (tuple, list)) else (expected,)
+    try:
+        dtensor_ext.install(fix_torch=False)
+        torch_results = correct_runs(run, x, mesh_shape, expected)
+        dtensor_ext.install()
+        return torch_results, correct_runs(run, x, mesh_shape, expected)
+    finally:
+        dtensor_ext.install()

@@ -4,9 +4,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-import dtensor_ext
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
-from tests.torch_fixes.sharded_runs import agrees, correct_runs, layouts
+from tests.torch_fixes.sharded_runs import agrees, correct_runs_without_and_with_fixes, layouts
 
 MESHES = pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
 
@@ -81,16 +80,7 @@ def test_cases_torch_got_right_keep_their_placements_or_lose_collectives(mesh_sh
     communicated (it all-reduces a Partial input of squeeze_copy), the fix communicates no more."""
     run, shape = CASES_TORCH_RUNS[case]
     torch.manual_seed(0)
-    x = torch.randn(shape)
-    expected = run(x)
-    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
-    try:
-        dtensor_ext.install(fix_torch=False)
-        torch_results = correct_runs(run, x, mesh_shape, expected)
-        dtensor_ext.install()
-        fixed_results = correct_runs(run, x, mesh_shape, expected)
-    finally:
-        dtensor_ext.install()
+    torch_results, fixed_results = correct_runs_without_and_with_fixes(run, torch.randn(shape), mesh_shape)
     assert len(torch_results) >= 3
     for placements, (torch_out, torch_comms) in torch_results.items():
         fixed_out, fixed_comms = fixed_results[placements]

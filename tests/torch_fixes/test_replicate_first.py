@@ -4,9 +4,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-import dtensor_ext
 from dtensor_ext.testing import place_dtensor, simulated_mesh
-from tests.torch_fixes.sharded_runs import agrees, correct_runs, layouts
+from tests.torch_fixes.sharded_runs import agrees, correct_runs_without_and_with_fixes, layouts
 
 MESHES = pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
 
@@ -63,17 +62,9 @@ def test_cases_torch_got_right_keep_their_placements_and_collectives(mesh_shape,
     torch.manual_seed(0)
     if case == "expand":
         x, run = torch.randn(5, 1, 3), EXPANDS["expand"]
-        expected = (run(x),)
     else:
         x, run = torch.randn(5, 3), lambda t: t.unbind(1)
-        expected = run(x)
-    try:
-        dtensor_ext.install(fix_torch=False)
-        torch_results = correct_runs(run, x, mesh_shape, expected)
-        dtensor_ext.install()
-        fixed_results = correct_runs(run, x, mesh_shape, expected)
-    finally:
-        dtensor_ext.install()
+    torch_results, fixed_results = correct_runs_without_and_with_fixes(run, x, mesh_shape)
     assert len(torch_results) >= 3  # R, P and the shards of dims the op keeps
     assert {p: fixed_results.get(p) for p in torch_results} == torch_results
     assert len(fixed_results) == len(layouts(x, len(mesh_shape)))  # and every other layout now runs correctly
