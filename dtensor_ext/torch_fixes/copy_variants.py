@@ -23,6 +23,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import restorer, undo_all, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -41,19 +42,6 @@ _UNSAFE_SPLITS = {
 }
 
 
-def _undo_all(undos):
-    def undo():
-        for undo_one in reversed(undos):
-            undo_one()
-
-    return undo
-
-
-def _restore(op):
-    snapshot = _compat.snapshot_registration(op)
-    return lambda: _compat.restore_registration(op, snapshot)
-
-
 @torch_fix(
     "squeeze_copy squeezes local size-1 dims",
     ops=("aten::squeeze_copy.default", "aten::squeeze_copy.dim", "aten::squeeze_copy.dims"),
@@ -64,14 +52,14 @@ def fix_squeeze_copy():
     op = aten.squeeze_copy.dims
     if variants is None or op in variants or _compat.torch_strategy_kind(op) not in ("decomposition", None):
         return None
-    undos = [_restore(op)]
+    undos = [restorer(op)]
     _compat.register_view_strategy(op, torch.squeeze, schema_info=_compat.RuntimeSchemaInfo(1))
     variants[op] = op
     undos.append(lambda: variants.pop(op, None))
     for overload in (aten.squeeze_copy.default, aten.squeeze_copy.dim):
         previous = _compat.set_custom_op_handler(overload, _squeeze_copy_as_dims)
         undos.append(lambda overload=overload, previous=previous: _compat.set_custom_op_handler(overload, previous))
-    return _undo_all(undos)
+    return undo_all(undos)
 
 
 @torch_fix(
@@ -87,9 +75,4 @@ def fix_unsafe_split():
     }
     if not faulty:
         return None
-    undos = []
-    for op, split in faulty.items():
-        undos.append(_restore(op))
-        schema_info = _compat.snapshot_registration(split).get("op_to_schema_info")
-        _compat.register_op_strategy(op, _compat.op_strategy_func(split), schema_info=schema_info)
-    return _undo_all(undos)
+    return wrap_strategies(faulty, lambda split_strategy: split_strategy, strategy_of=faulty.get)

@@ -18,6 +18,7 @@ import torch
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
 from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
 aten = torch.ops.aten
 
@@ -71,13 +72,4 @@ def _empty_aware(torch_strategy):
 def fix_empty_views():
     if not _compat.view_groups_drops_empty_dims():
         return None
-    snapshots = {op: _compat.snapshot_registration(op) for op in _VIEW_OPS}
-    for op, snapshot in snapshots.items():
-        wrapped = _empty_aware(snapshot["op_strategy_funcs"])
-        _compat.register_op_strategy(op, wrapped, schema_info=snapshot.get("op_to_schema_info"))
-
-    def undo():
-        for op, snapshot in snapshots.items():
-            _compat.restore_registration(op, snapshot)
-
-    return undo
+    return wrap_strategies(_VIEW_OPS, _empty_aware)

@@ -26,6 +26,7 @@ import torch
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate, Shard, StridedShard
 from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
 aten = torch.ops.aten
 
@@ -57,19 +58,6 @@ def replicating_first(torch_strategy: Callable, dims_to_replicate: Callable[[OpS
     return strategy
 
 
-def _wrap_torch_strategies(ops, dims_to_replicate):
-    snapshots = {op: _compat.snapshot_registration(op) for op in ops}
-    for op, snapshot in snapshots.items():
-        wrapped = replicating_first(snapshot["op_strategy_funcs"], dims_to_replicate)
-        _compat.register_op_strategy(op, wrapped, schema_info=snapshot.get("op_to_schema_info"))
-
-    def undo():
-        for op, snapshot in snapshots.items():
-            _compat.restore_registration(op, snapshot)
-
-    return undo
-
-
 def broadcast_dims(op_schema: OpSchema) -> set[int]:
     """Input dims of size 1 that `expand(sizes)` stretches."""
     input_shape, sizes = op_schema.args_schema[0].shape, op_schema.args_schema[1]
@@ -94,7 +82,7 @@ def fix_expand_broadcast():
     ops = (aten.expand.default, aten.expand_copy.default)
     if not _torch_fails_on_sharded_broadcast_dim() or any(_compat.op_strategy_func(op) is None for op in ops):
         return None
-    return _wrap_torch_strategies(ops, broadcast_dims)
+    return wrap_strategies(ops, lambda torch_strategy: replicating_first(torch_strategy, broadcast_dims))
 
 
 def unbind_dim(op_schema: OpSchema) -> set[int]:
@@ -111,4 +99,4 @@ def fix_unbind_sharded_dim():
     op = aten.unbind.int
     if not _compat.unbind_refuses_sharded_dim():
         return None
-    return _wrap_torch_strategies((op,), unbind_dim)
+    return wrap_strategies([op], lambda torch_strategy: replicating_first(torch_strategy, unbind_dim))
