@@ -51,7 +51,9 @@ def _empty_view_strategy(source: OpStrategy, target: tuple[int, ...]) -> OpStrat
     return OpStrategy(strategies)
 
 
-def _empty_aware(torch_strategy):
+def empty_aware(torch_strategy):
+    """torch's view strategy, except for inputs with no elements (kept in place, or replicated)."""
+
     def strategy(op_schema: OpSchema):
         source = op_schema.args_schema[0]
         shape = tuple(source.shape)
@@ -72,4 +74,4 @@ def _empty_aware(torch_strategy):
 def fix_empty_views():
     if not _compat.view_groups_drops_empty_dims():
         return None
-    return wrap_strategies(_VIEW_OPS, _empty_aware)
+    return wrap_strategies(_VIEW_OPS, empty_aware)
