@@ -49,3 +49,11 @@ def correct_runs_without_and_with_fixes(run, x: torch.Tensor, mesh_shape) -> tup
         return torch_results, correct_runs(run, x, mesh_shape, expected)
     finally:
         dtensor_ext.install()
+
+
+def fix_status(op_name: str) -> str:
+    """'fixed' or 'not needed' for the torch fix of `op_name` ('aten::x.overload') in the default install."""
+    dtensor_ext.install()
+    statuses = {e.status for e in dtensor_ext.registry() if e.family == "torch fix" and e.op == op_name}
+    assert len(statuses) == 1, f"{op_name}: expected one torch fix entry, got {statuses}"
+    return statuses.pop()
