@@ -538,3 +538,10 @@ def view_groups_drops_empty_dims() -> bool:
     from torch.distributed.tensor._ops import _view_ops
 
     return _view_ops.view_groups((0, 4), (0, 4)) != (_view_ops.InputDim(0), _view_ops.InputDim(1))
+
+
+def known_equal(value: Any, constant: int) -> bool:
+    """`value == constant` where that is known without guarding on a symbolic size (False where unknown)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return bool(guard_or_false(value == constant))

@@ -57,10 +57,10 @@ def empty_aware(torch_strategy):
     def strategy(op_schema: OpSchema):
         source = op_schema.args_schema[0]
         shape = tuple(source.shape)
-        target = _target_shape(shape, op_schema.args_schema[1])
-        if math.prod(shape) != 0 or target is None:
+        if not _compat.known_equal(math.prod(shape), 0):  # symbolic sizes are never guarded on here
             return torch_strategy(op_schema)
-        return _empty_view_strategy(source, target)
+        target = _target_shape(shape, op_schema.args_schema[1])
+        return torch_strategy(op_schema) if target is None else _empty_view_strategy(source, target)
 
     strategy.__wrapped__ = torch_strategy
     return strategy

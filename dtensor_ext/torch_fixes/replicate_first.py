@@ -62,7 +62,12 @@ def broadcast_dims(op_schema: OpSchema) -> set[int]:
     """Input dims of size 1 that `expand(sizes)` stretches."""
     input_shape, sizes = op_schema.args_schema[0].shape, op_schema.args_schema[1]
     offset = len(sizes) - len(input_shape)
-    return {d for d, n in enumerate(input_shape) if n == 1 and sizes[d + offset] not in (1, -1)}
+    return {
+        d
+        for d, n in enumerate(input_shape)
+        if _compat.known_equal(n, 1)
+        and not (_compat.known_equal(sizes[d + offset], 1) or _compat.known_equal(sizes[d + offset], -1))
+    }
 
 
 def _torch_fails_on_sharded_broadcast_dim() -> bool:
