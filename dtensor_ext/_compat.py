@@ -520,16 +520,62 @@ def per_simulated_rank(func: Callable) -> Callable:
     return maybe_run_for_local_tensor(func)
 
 
-def wrap_op_strategy(op: OpOverload, wrap: Callable[[Callable], Callable]) -> Callable[[], None]:
-    """Replace torch's op_strategy function for `op` by `wrap(torch's)`; returns the undo."""
-    snapshot = snapshot_registration(op)
-    strategies = propagator().op_strategy_funcs
-    strategies[op] = wrap(strategies[op])
-    return lambda: restore_registration(op, snapshot)
-
-
 def redistribute_costs(source: OpStrategy, target: DTensorSpec) -> list[float]:
     """torch's cost of moving each of `source`'s layouts to `target` (one OpSpec's redistribute_cost row)."""
     from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 
     return generate_redistribute_costs(source, target)
+
+
+def op_strategy_func(op: OpOverload) -> Callable | None:
+    """The op_strategy function torch registered for `op`, or None."""
+    return propagator().op_strategy_funcs.get(op)
+
+
+def register_op_strategy(op: OpOverload, func: Callable, *, schema_info: RuntimeSchemaInfo | None = None) -> None:
+    propagator().register_op_strategy(op, func, schema_info)
+
+
+def expand_sharding(placements: Sequence[Placement], input_shape: Sequence[int], sizes: Sequence[int], mesh_sizes):
+    """torch's view-op propagation for `expand` (input target placements, output placements); may raise."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    rule = _view_ops.expand(tuple(input_shape), tuple(sizes))
+    return _view_ops.propagate_shape_and_sharding(placements, tuple(input_shape), rule, tuple(mesh_sizes))
+
+
+def register_view_strategy(op: OpOverload, torch_function: Callable, *, schema_info: RuntimeSchemaInfo | None) -> None:
+    """Give `op` torch's view-op strategy for `torch_function`'s dim map, redistributing where a dim cannot stay
+    sharded (the non-strict form torch uses for reshape and view_copy)."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    _view_ops.register_op_strategy_map(op, torch_function, schema_info=schema_info, strict_view=False)
+
+
+def squeeze_dims_variants() -> dict | None:
+    """DTensor's table of squeeze ops whose dims it rewrites to the GLOBAL size-1 dims before the local call
+    (so that a shard whose local size is 1 is not squeezed); None on a torch without it."""
+    return getattr(propagator(), "squeeze_op_to_dims_variant", None)
+
+
+def unbind_refuses_sharded_dim() -> bool:
+    """Whether torch's unbind strategy raises for a sharded unbind dim instead of replicating it (feature check:
+    its code carries the refusal message)."""
+    func = op_strategy_func(torch.ops.aten.unbind.int)
+    consts = getattr(getattr(func, "__code__", None), "co_consts", ())
+    return any(isinstance(c, str) and "cannot be performed without redistribution" in c for c in consts)
+
+
+def view_groups_drops_empty_dims() -> bool:
+    """Whether torch's view dim mapping loses a size-0 dim in an identity view (feature check; the hanging
+    cases are not probed)."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    return _view_ops.view_groups((0, 4), (0, 4)) != (_view_ops.InputDim(0), _view_ops.InputDim(1))
+
+
+def known_equal(value: Any, constant: int) -> bool:
+    """`value == constant` where that is known without guarding on a symbolic size (False where unknown)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return bool(guard_or_false(value == constant))

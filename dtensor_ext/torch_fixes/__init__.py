@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dtensor_ext import _compat
 from dtensor_ext._compat import OpOverload
 
-__all__ = ["TorchFix", "torch_fix", "declared_fixes", "replace_rule"]
+__all__ = ["TorchFix", "torch_fix", "declared_fixes", "replace_rule", "restorer", "undo_all"]
 
 Undo = Callable[[], None]
 
@@ -49,7 +49,8 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
 
 def declared_fixes() -> dict[str, TorchFix]:
     from dtensor_ext.torch_fixes import (  # noqa: F401  (declares the fixes)
-        conv_handlers, embedding_rows, infeasible_choice, inplace_shift, list_indices, losses, partial_fill,
+        conv_handlers, copy_variants, embedding_rows, empty_views, infeasible_choice, inplace_shift, list_indices,
+        losses, partial_fill, replicate_first,
     )
 
     return dict(_FIXES)
@@ -57,7 +58,23 @@ def declared_fixes() -> dict[str, TorchFix]:
 
 def replace_rule(op: OpOverload, func: Callable, *, schema_info: _compat.RuntimeSchemaInfo | None = None) -> Undo:
     """Swap whatever torch registered for `op` for the single-dim rule `func`; the undo puts torch's back."""
-    snapshot = _compat.snapshot_registration(op)
+    undo = restorer(op)
     _compat.restore_registration(op, {})
     _compat.register_single_dim(op, func, schema_info=schema_info, allow_uneven_sharding=True)
+    return undo
+
+
+def undo_all(undos: list[Undo]) -> Undo:
+    """One undo running `undos` last to first."""
+
+    def undo():
+        for undo_one in reversed(undos):
+            undo_one()
+
+    return undo
+
+
+def restorer(op: OpOverload) -> Undo:
+    """An undo putting back everything the propagator knows about `op` now."""
+    snapshot = _compat.snapshot_registration(op)
     return lambda: _compat.restore_registration(op, snapshot)

@@ -14,7 +14,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Partial, Replicate
-from dtensor_ext.torch_fixes import replace_rule, torch_fix
+from dtensor_ext.torch_fixes import replace_rule, torch_fix, undo_all
 
 aten = torch.ops.aten
 
@@ -54,9 +54,4 @@ def fix_inplace_shift():
     for op in faulty:
         schema_info = _compat.snapshot_registration(op).get("op_to_schema_info_for_single_dim_strategy")
         undos.append(replace_rule(op, _with_shift_safe_partials(_compat.single_dim_func(op)), schema_info=schema_info))
-
-    def undo():
-        for undo_one in reversed(undos):
-            undo_one()
-
-    return undo
+    return undo_all(undos)

@@ -16,6 +16,7 @@ import torch
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
 from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
 aten = torch.ops.aten
 
@@ -62,10 +63,4 @@ def fix_nll_loss_mean():
     faulty = [op for op in ops if _compat.strategy_function_name(op) == _AVERAGING_STRATEGY]
     if not faulty:
         return None
-    undos = [_compat.wrap_op_strategy(op, mean_over_the_whole_batch) for op in faulty]
-
-    def undo():
-        for undo_one in reversed(undos):
-            undo_one()
-
-    return undo
+    return wrap_strategies(faulty, mean_over_the_whole_batch)

@@ -14,7 +14,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Partial, Replicate, ShardingPlaceholder
-from dtensor_ext.torch_fixes import replace_rule, torch_fix
+from dtensor_ext.torch_fixes import replace_rule, torch_fix, undo_all
 
 aten = torch.ops.aten
 
@@ -64,9 +64,4 @@ def fix_partial_fill():
         return None
     faulty = [op for op in fixes if _keeps_partial_sum(op)]
     undos = [replace_rule(op, fixes[op][0], schema_info=fixes[op][1]) for op in faulty]
-
-    def undo():
-        for undo_one in reversed(undos):
-            undo_one()
-
-    return undo
+    return undo_all(undos)

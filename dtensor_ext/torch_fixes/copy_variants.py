@@ -1,0 +1,78 @@
+"""Copying variants of view ops that torch only shards through its decomposition fallback, wrongly.
+
+`squeeze_copy` and `unsafe_split` have no strategy of their own in torch 2.13; DTensor's decomposition fallback
+(`torch/distributed/tensor/_decompositions.py`) propagates through their decompositions and then runs the real op
+on each rank's local tensor:
+
+- `squeeze_copy` (no dims) squeezes every LOCAL size-1 dim, so a rank whose shard of a sharded dim has size 1 drops
+  that dim too: ranks disagree on the result's ndim (an invalid DTensor; `full_tensor()` fails). torch fixed
+  exactly this for `squeeze` by rewriting the call to `squeeze.dims` with the GLOBAL size-1 dims
+  (`_sharding_prop.py`, `squeeze_op_to_dims_variant`). The fix enters `squeeze_copy.dims` in that table with
+  torch's non-strict view strategy for `torch.squeeze` (a copy may redistribute: a squeezed size-1 dim that is
+  sharded is replicated first), and sends `squeeze_copy()` / `squeeze_copy(dim)` there.
+- `unsafe_split` / `unsafe_split_with_sizes` into a single piece fail with "`output_specs` has 1 output which does
+  not equal the number of op outputs: 1" (the fallback returns a bare spec for a one-element list). They are
+  `split` / `split_with_sizes` without view tracking, so they get torch's split strategy.
+
+Both strategies also keep a Partial input Partial, where the fallback all-reduced it first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtensor_ext import _compat
+from dtensor_ext.torch_fixes import restorer, torch_fix, undo_all
+from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
+
+aten = torch.ops.aten
+
+
+def _squeeze_copy_as_dims(op_call, args, kwargs):
+    """`squeeze_copy()` / `squeeze_copy(dim)` as `squeeze_copy.dims`, which DTensor narrows to global size-1 dims."""
+    self = args[0]
+    dims = tuple(range(self.ndim)) if op_call is aten.squeeze_copy.default else (args[1],)
+    return aten.squeeze_copy.dims(self, dims)
+
+
+# unsafe variant -> the view op whose strategy it shares
+_UNSAFE_SPLITS = {
+    aten.unsafe_split.Tensor: aten.split.Tensor,
+    aten.unsafe_split_with_sizes.default: aten.split_with_sizes.default,
+}
+
+
+@torch_fix(
+    "squeeze_copy squeezes local size-1 dims",
+    ops=("aten::squeeze_copy.default", "aten::squeeze_copy.dim", "aten::squeeze_copy.dims"),
+    why="a rank whose shard has size 1 drops the sharded dim: ranks disagree on ndim (invalid DTensor)",
+)
+def fix_squeeze_copy():
+    variants = _compat.squeeze_dims_variants()
+    op = aten.squeeze_copy.dims
+    if variants is None or op in variants or _compat.torch_strategy_kind(op) not in ("decomposition", None):
+        return None
+    undos = [restorer(op)]
+    _compat.register_view_strategy(op, torch.squeeze, schema_info=_compat.RuntimeSchemaInfo(1))
+    variants[op] = op
+    undos.append(lambda: variants.pop(op, None))
+    for overload in (aten.squeeze_copy.default, aten.squeeze_copy.dim):
+        previous = _compat.set_custom_op_handler(overload, _squeeze_copy_as_dims)
+        undos.append(lambda overload=overload, previous=previous: _compat.set_custom_op_handler(overload, previous))
+    return undo_all(undos)
+
+
+@torch_fix(
+    "unsafe_split through the decomposition fallback",
+    ops=("aten::unsafe_split.Tensor", "aten::unsafe_split_with_sizes.default"),
+    why="the fallback gives a list-returning op one output spec: 'output_specs has 1 output ... op outputs: 1'",
+)
+def fix_unsafe_split():
+    faulty = {
+        op: split
+        for op, split in _UNSAFE_SPLITS.items()
+        if _compat.torch_strategy_kind(op) in ("decomposition", None) and _compat.op_strategy_func(split) is not None
+    }
+    if not faulty:
+        return None
+    return wrap_strategies(faulty, lambda split_strategy: split_strategy, strategy_of=faulty.get)

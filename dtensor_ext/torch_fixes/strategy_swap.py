@@ -1,0 +1,22 @@
+"""Swapping torch's op_strategy registrations with an exact undo, for fixes that wrap or replace them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import OpOverload
+from dtensor_ext.torch_fixes import Undo, restorer, undo_all
+
+
+def wrap_strategies(
+    ops: Iterable[OpOverload], wrap: Callable[[Callable], Callable], *, strategy_of: Callable | None = None
+) -> Undo:
+    """Register `wrap(torch's strategy function)` as each op's strategy, with torch's schema info for it. The
+    strategy and schema info are those torch has for `strategy_of(op)` (default: the op itself)."""
+    undos = []
+    for op in ops:
+        entry = _compat.snapshot_registration(strategy_of(op) if strategy_of else op)
+        undos.append(restorer(op))
+        _compat.register_op_strategy(op, wrap(entry["op_strategy_funcs"]), schema_info=entry.get("op_to_schema_info"))
+    return undo_all(undos)

@@ -1,0 +1,59 @@
+"""Running one op over every layout of its input on a simulated mesh, for the torch-fix tests."""
+
+import itertools
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import dtensor_ext
+from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+
+
+def agrees(t, expected) -> bool:
+    """Every rank's copy of the gathered DTensor `t` equals the single-device `expected`."""
+    return all(torch.allclose(v, expected, atol=1e-5) for v in local_values(t.full_tensor()).values())
+
+
+def layouts(t: torch.Tensor, mesh_ndim: int) -> list[tuple]:
+    """Every placement tuple of `t` on a mesh of `mesh_ndim` dims: Replicate, Partial(sum), Shard of each dim."""
+    return list(itertools.product([Replicate(), Partial(), *(Shard(d) for d in range(t.ndim))], repeat=mesh_ndim))
+
+
+def correct_runs(run, x: torch.Tensor, mesh_shape, expected: tuple) -> dict[tuple, tuple]:
+    """placements -> (output placements, number of collectives) for each layout of `x` on which `run` gives the
+    single-device `expected` outputs; layouts it refuses or gets wrong are left out."""
+    results = {}
+    with simulated_mesh(mesh_shape) as mesh:
+        for placements in layouts(x, len(mesh_shape)):
+            try:
+                x_d = place_dtensor(x, mesh, list(placements))
+                with CommDebugMode() as comms:
+                    out = run(x_d)
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                if all(agrees(o, e) for o, e in zip(outs, expected)):
+                    results[placements] = (tuple(o.placements for o in outs), comms.get_total_counts())
+            except (RuntimeError, IndexError):  # IndexError: full_tensor() of an invalid DTensor torch returned
+                continue
+    return results
+
+
+def correct_runs_without_and_with_fixes(run, x: torch.Tensor, mesh_shape) -> tuple[dict, dict]:
+    """`correct_runs` under torch's own handling (fix_torch=False), then with the fixes; ends installed."""
+    expected = run(x)
+    expected = tuple(expected) if isinstance(expected, (tuple, list)) else (expected,)
+    try:
+        dtensor_ext.install(fix_torch=False)
+        torch_results = correct_runs(run, x, mesh_shape, expected)
+        dtensor_ext.install()
+        return torch_results, correct_runs(run, x, mesh_shape, expected)
+    finally:
+        dtensor_ext.install()
+
+
+def fix_status(op_name: str) -> str:
+    """'fixed' or 'not needed' for the torch fix of `op_name` ('aten::x.overload') in the default install."""
+    dtensor_ext.install()
+    statuses = {e.status for e in dtensor_ext.registry() if e.family == "torch fix" and e.op == op_name}
+    assert len(statuses) == 1, f"{op_name}: expected one torch fix entry, got {statuses}"
+    return statuses.pop()
