@@ -579,3 +579,14 @@ def known_equal(value: Any, constant: int) -> bool:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     return bool(guard_or_false(value == constant))
+
+
+def torch_strategy_source(op: OpOverload) -> str | None:
+    """Source text of torch's strategy function for `op` (op_strategy or single-dim), to recognise a known defect."""
+    func = single_dim_func(op) or propagator().op_strategy_funcs.get(op)
+    if func is None:
+        return None
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):
+        return None

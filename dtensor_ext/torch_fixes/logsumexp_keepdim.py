@@ -1,0 +1,60 @@
+"""`torch.logsumexp(x, dim, True)`: torch's rule ignores a keepdim passed by position.
+
+torch's logsumexp strategy (`_ops/_math_ops.py`, an op_strategy on 2.13, a single-dim rule on 2.14) reads `keepdim`
+only from the kwargs, but DTensor's schema carries it positionally whenever the caller wrote
+`torch.logsumexp(x, 0, True)` (or `x.logsumexp(0, keepdim=True)`, which the Python binding also passes by
+position). The output placements are then computed for keepdim=False: with `x` sharded on a kept dim the result is
+labelled with the wrong dim (wrong values, or a shape error in `full_tensor()`). The fix hands torch's own rule the
+keepdim it was given, as a keyword; calls without a positional keepdim reach torch's rule unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtensor_ext import _compat
+from dtensor_ext.torch_fixes import replace_rule, torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
+
+aten = torch.ops.aten
+
+
+def _reads_keepdim_from_kwargs_only(source: str | None) -> bool:
+    return source is not None and 'kwargs_schema.get("keepdim"' in source and "args_schema[2]" not in source
+
+
+def _keyword_keepdim(args, kwargs):
+    if len(args) <= 2:
+        return args, kwargs
+    return args[:2], {**kwargs, "keepdim": args[2]}
+
+
+def _single_dim(torch_rule):
+    def rule(op, args_meta, kwargs_meta):
+        return torch_rule(op, *_keyword_keepdim(args_meta, kwargs_meta))
+
+    return rule
+
+
+def _op_strategy(torch_strategy):
+    def strategy(op_schema):
+        args, kwargs = _keyword_keepdim(op_schema.args_schema, op_schema.kwargs_schema)
+        return torch_strategy(_compat.OpSchema(op_schema.op, args, kwargs))
+
+    return strategy
+
+
+@torch_fix(
+    "logsumexp ignores positional keepdim",
+    ops=("aten::logsumexp.default",),
+    why="torch.logsumexp(x, dim, keepdim=True) on a DTensor sharded after the reduced dim gets keepdim=False placements",
+)
+def fix_logsumexp_keepdim():
+    op = aten.logsumexp.default
+    if not _reads_keepdim_from_kwargs_only(_compat.torch_strategy_source(op)):
+        return None
+    torch_rule = _compat.single_dim_func(op)
+    if torch_rule is not None:
+        schema_info = _compat.snapshot_registration(op).get("op_to_schema_info_for_single_dim_strategy")
+        return replace_rule(op, _single_dim(torch_rule), schema_info=schema_info)
+    return wrap_strategies([op], _op_strategy)
