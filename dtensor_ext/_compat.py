@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -484,3 +485,27 @@ def strategy_function_name(op: OpOverload) -> str | None:
     """Name of the op_strategy function torch registered for `op` (to recognise a known faulty one), or None."""
     func = propagator().op_strategy_funcs.get(op)
     return getattr(func, "__name__", None)
+
+
+def register_op_strategy(op: OpOverload, func: Callable, *, schema_info: RuntimeSchemaInfo | None = None) -> None:
+    """Register `func(strategy_schema) -> OpStrategy` as `op`'s op_strategy function in torch's table."""
+    propagator().register_op_strategy(op, func, schema_info)
+
+
+def output_tensor_meta(strategy_schema: OpSchema):
+    """The global output TensorMeta(s) of the op in `strategy_schema` (tensor args as OpStrategy), as torch's
+    propagator computes them before expanding a single-dim rule."""
+    as_specs = pytree.tree_map_only(OpStrategy, lambda s: s.strategies[0].output_spec,
+                                    (strategy_schema.args_schema, strategy_schema.kwargs_schema))
+    return propagator()._propagate_tensor_meta_non_cached(OpSchema(strategy_schema.op, *as_specs))
+
+
+def local_shapes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> list[tuple]:
+    """Every rank's local shape of a tensor of global `shape` placed so on a mesh of `mesh_shape` (torch's own
+    chunking, strided shards included)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return [
+        _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements, skip_offset=True)[0]
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape))
+    ]

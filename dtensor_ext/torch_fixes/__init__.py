@@ -48,7 +48,7 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
 
 
 def declared_fixes() -> dict[str, TorchFix]:
-    from dtensor_ext.torch_fixes import conv_handlers, partial_fill  # noqa: F401  (declares the fixes)
+    from dtensor_ext.torch_fixes import conv_handlers, empty_shards, partial_fill  # noqa: F401  (declares the fixes)
 
     return dict(_FIXES)
 

@@ -1,0 +1,250 @@
+"""Layouts that leave a rank an empty shard its local kernel rejects: DTensor picks a layout that runs instead.
+
+DTensor splits a sharded dim like `torch.chunk`, so 5 rows over 4 ranks are held as 2, 2, 1, 0 and one rank holds
+an empty shard; torch offers such layouts (its `is_tensor_shardable` only asks for size >= number of shards). Some
+local kernels raise on an empty input although the op's result on it is simply empty: the MKL FFTs
+(`_fft_c2c/_fft_r2c/_fft_c2r`), batch norm in training mode, `max`/`min` without a dim and `linalg_vector_norm`
+for orders without an identity (inf, negative). Where a feature check finds the running torch's CPU kernel
+rejecting an empty input, these ops' strategies lose exactly the layouts that leave some rank an empty shard of
+a dim the kernel needs non-empty; DTensor's cost model then picks the cheapest layout left. Every other layout
+(even shards, empty shards of a dim the kernel accepts empty, calls whose arguments the kernel takes empty) is
+offered as torch offers it.
+
+`max`/`min` could keep the empty shard if that rank contributed the reduction's identity to `Partial(max/min)`, but
+that needs a local kernel of ours, and integer and bool inputs have no infinite identity; avoiding the empty shard
+is what the op's own kernel can run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
+from dtensor_ext.torch_fixes import Undo, torch_fix
+
+aten = torch.ops.aten
+
+GuardedDims = Callable[[OpSchema], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class EmptyRejecting:
+    """How one op's kernel treats an empty input."""
+
+    # runs the CPU kernel on a small input with an empty dim, with arguments under which it should be rejected
+    probe: Callable[[], object]
+    # the dims of the first tensor input that no rank may hold empty in this call (() where the call takes empty)
+    guarded_dims: GuardedDims
+
+
+def _arg(op_schema: OpSchema, name: str, default: object) -> object:
+    names = [a.name for a in op_schema.op._schema.arguments]
+    index = names.index(name)
+    if index < len(op_schema.args_schema):
+        return op_schema.args_schema[index]
+    return op_schema.kwargs_schema.get(name, default)
+
+
+def _ndim(op_schema: OpSchema) -> int:
+    return len(op_schema.args_strategy[0].shape)
+
+
+def _every_dim(op_schema: OpSchema) -> tuple[int, ...]:
+    return tuple(range(_ndim(op_schema)))
+
+
+def _every_dim_when_training(op_schema: OpSchema) -> tuple[int, ...]:
+    has_training_arg = any(a.name == "training" for a in op_schema.op._schema.arguments)
+    training = _arg(op_schema, "training", None) if has_training_arg else True  # _batch_norm_with_update trains
+    return _every_dim(op_schema) if training else ()
+
+
+def _reduced_dims_without_identity(op_schema: OpSchema) -> tuple[int, ...]:
+    order_name = "ord" if op_schema.op is aten.linalg_vector_norm.default else "p"
+    order = _arg(op_schema, order_name, 2)
+    if order is None or not (order < 0 or math.isinf(order)):
+        return ()  # sum-like norms reduce an empty shard to 0, and the kernel does so
+    dims = _arg(op_schema, "dim", None) if order_name == "ord" else None
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return _every_dim(op_schema)
+    ndim = _ndim(op_schema)
+    return tuple(d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+
+
+def _kernels() -> dict:
+    """The ops whose CPU kernel may reject an empty input, with a probe and the dims each call needs non-empty."""
+    empty_rows = torch.zeros(0, 4)
+    empty_complex_rows = torch.zeros(0, 4, dtype=torch.cfloat)
+    empty_channels = torch.zeros(2, 0, 3)
+    no_channels = torch.zeros(0)
+    return {
+        aten._fft_c2c.default: EmptyRejecting(lambda: aten._fft_c2c(empty_complex_rows, [1], 0, True), _every_dim),
+        aten._fft_r2c.default: EmptyRejecting(lambda: aten._fft_r2c(empty_rows, [1], 0, True), _every_dim),
+        aten._fft_c2r.default: EmptyRejecting(lambda: aten._fft_c2r(empty_complex_rows, [1], 0, 6), _every_dim),
+        aten.native_batch_norm.default: EmptyRejecting(
+            lambda: aten.native_batch_norm(empty_channels, None, None, None, None, True, 0.1, 1e-5),
+            _every_dim_when_training,
+        ),
+        aten._native_batch_norm_legit.default: EmptyRejecting(
+            lambda: aten._native_batch_norm_legit(empty_channels, None, None, no_channels, no_channels, True, 0.1, 1e-5),
+            _every_dim_when_training,
+        ),
+        aten._native_batch_norm_legit.no_stats: EmptyRejecting(
+            lambda: aten._native_batch_norm_legit.no_stats(empty_channels, None, None, True, 0.1, 1e-5),
+            _every_dim_when_training,
+        ),
+        aten._batch_norm_with_update.default: EmptyRejecting(
+            lambda: aten._batch_norm_with_update(empty_channels, None, None, no_channels, no_channels, 0.1, 1e-5),
+            _every_dim_when_training,
+        ),
+        aten.max.default: EmptyRejecting(lambda: aten.max(empty_rows), _every_dim),
+        aten.min.default: EmptyRejecting(lambda: aten.min(empty_rows), _every_dim),
+        aten.linalg_vector_norm.default: EmptyRejecting(
+            lambda: aten.linalg_vector_norm(empty_rows, float("inf")), _reduced_dims_without_identity
+        ),
+        aten.norm.Scalar: EmptyRejecting(lambda: aten.norm.Scalar(empty_rows, float("inf")),
+                                         _reduced_dims_without_identity),
+    }
+
+
+def rejects_empty_input(kernel: EmptyRejecting) -> bool:
+    """The feature check: whether the running torch's kernel raises on the probe's empty input."""
+    try:
+        kernel.probe()
+    except RuntimeError:
+        return True
+    return False
+
+
+def starves_a_rank(spec: DTensorSpec, dims: tuple[int, ...]) -> bool:
+    """Whether some rank would hold an empty shard of one of `dims` of a non-empty tensor placed as `spec`."""
+    shape = tuple(spec.tensor_meta.shape)
+    if not dims or 0 in shape:
+        return False  # an empty tensor is empty on one device too: nothing to choose
+    return any(local[d] == 0 for local in _compat.local_shapes(shape, spec.mesh.shape, spec.placements) for d in dims)
+
+
+def _first_input_spec(spec: OpSpec) -> DTensorSpec:
+    return spec.input_specs[0] if spec.input_specs else spec.output_spec
+
+
+def _runnable(offered: OpStrategy, dims: tuple[int, ...]) -> OpStrategy:
+    return OpStrategy([s for s in offered.strategies if not starves_a_rank(_first_input_spec(s), dims)])
+
+
+def _unstarved(spec: DTensorSpec, dims: tuple[int, ...]) -> DTensorSpec:
+    """`spec` with its shards of `dims` replicated, innermost mesh dim first, until no rank is starved."""
+    placements = list(spec.placements)
+    for mesh_dim in reversed(range(len(placements))):
+        if not starves_a_rank(DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta), dims):
+            break
+        if getattr(placements[mesh_dim], "dim", None) in dims:
+            placements[mesh_dim] = Replicate()
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
+def runnable_op_strategy(torch_strategy: Callable, guarded_dims: GuardedDims) -> Callable:
+    """torch's op_strategy function without the layouts that starve a rank.
+
+    torch's reduction strategies follow the input's own layout only; where that starves a rank, they are asked
+    again for the input moved to the nearest layout that does not, priced as the move from where it is.
+    """
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        offered = torch_strategy(op_schema)
+        runnable = _runnable(offered, guarded_dims(op_schema))
+        if len(runnable.strategies) == len(offered.strategies):
+            return offered
+        if runnable.strategies:
+            return runnable
+        dims = guarded_dims(op_schema)
+        source = op_schema.args_schema[0]
+        target = _unstarved(source.strategies[0].output_spec, dims)
+        moved_schema = OpSchema(op_schema.op, (OpStrategy([OpSpec(target)]), *op_schema.args_schema[1:]),
+                                op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+        moved = []
+        for spec in _runnable(torch_strategy(moved_schema), dims).strategies:
+            first = _first_input_spec(spec)
+            cost = [_compat.redistribute_cost(s.output_spec, first) for s in source.strategies]
+            moved.append(OpSpec(spec.output_specs, spec.input_specs, [cost, *spec.redistribute_cost[1:]]))
+        return OpStrategy(moved)
+
+    strategy.__wrapped__ = torch_strategy
+    return strategy
+
+
+def runnable_single_dim(info: object, guarded_dims: GuardedDims) -> Callable:
+    """An op_strategy function: the single-dim rule `info` expanded over the mesh as DTensor would (fast
+    propagation included), without the layouts that starve a rank.
+
+    A single-dim rule cannot see the mesh, so the filter sits after the expansion; where the expansion in use
+    returns only its cheapest pick and that starves a rank, torch's full expansion supplies the alternatives.
+    """
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        mesh = op_schema.args_strategy[0].mesh
+        output_meta = _compat.output_tensor_meta(op_schema)
+
+        def expanded_by(expand: Callable) -> OpStrategy:
+            return expand(mesh, op_schema, info, output_meta)(op_schema.op, op_schema.args_meta,
+                                                               op_schema.kwargs_meta)
+
+        expand = _compat.single_dim_expansion()
+        offered = expanded_by(expand)
+        dims = guarded_dims(op_schema)
+        runnable = _runnable(offered, dims)
+        if len(runnable.strategies) == len(offered.strategies):
+            return offered
+        if not runnable.strategies and expand is not _compat.full_single_dim_expansion:
+            runnable = _runnable(expanded_by(_compat.full_single_dim_expansion), dims)
+        return runnable
+
+    return strategy
+
+
+def _steer(op, kernel: EmptyRejecting) -> Undo | None:
+    snapshot = _compat.snapshot_registration(op)
+    kind = _compat.torch_strategy_kind(op)
+    if kind == "single_dim":
+        schema_info = snapshot.get("op_to_schema_info_for_single_dim_strategy")
+        strategy = runnable_single_dim(snapshot["op_single_dim_strategy_funcs"], kernel.guarded_dims)
+    elif kind == "op_strategy":
+        schema_info = snapshot.get("op_to_schema_info")
+        strategy = runnable_op_strategy(snapshot["op_strategy_funcs"], kernel.guarded_dims)
+    else:
+        return None  # torch does not shard the op itself: nothing of torch's to steer
+    _compat.restore_registration(op, {})
+    _compat.register_op_strategy(op, strategy, schema_info=schema_info)
+    return lambda: _compat.restore_registration(op, snapshot)
+
+
+@torch_fix(
+    "layouts with empty shards the kernel rejects",
+    ops=(
+        "aten::_fft_c2c.default", "aten::_fft_r2c.default", "aten::_fft_c2r.default",
+        "aten::native_batch_norm.default", "aten::_native_batch_norm_legit.default",
+        "aten::_native_batch_norm_legit.no_stats", "aten::_batch_norm_with_update.default",
+        "aten::max.default", "aten::min.default", "aten::linalg_vector_norm.default", "aten::norm.Scalar",
+    ),
+    why="torch keeps layouts where a rank holds an empty shard (5 over 4 ranks: 2,2,1,0) and the CPU kernel "
+    "(MKL FFT, batch norm training, max/min without dim, inf/negative norms) raises on the empty input",
+)
+def fix_empty_shards():
+    undos = [
+        undo
+        for op, kernel in _kernels().items()
+        if rejects_empty_input(kernel) and (undo := _steer(op, kernel)) is not None
+    ]
+    if not undos:
+        return None
+
+    def undo_all():
+        for undo in reversed(undos):
+            undo()
+
+    return undo_all
