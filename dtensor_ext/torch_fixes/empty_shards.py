@@ -76,7 +76,7 @@ def _reduced_dims_without_identity(op_schema: OpSchema) -> tuple[int, ...]:
     return tuple(d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
 
 
-def _kernels() -> dict:
+def kernels() -> dict:
     """The ops whose CPU kernel may reject an empty input, with a probe and the dims each call needs non-empty."""
     empty_rows = torch.zeros(0, 4)
     empty_complex_rows = torch.zeros(0, 4, dtype=torch.cfloat)
@@ -237,7 +237,7 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
 def fix_empty_shards():
     undos = [
         undo
-        for op, kernel in _kernels().items()
+        for op, kernel in kernels().items()
         if rejects_empty_input(kernel) and (undo := _steer(op, kernel)) is not None
     ]
     if not undos:
