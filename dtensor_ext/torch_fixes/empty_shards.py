@@ -157,12 +157,12 @@ def runnable_op_strategy(torch_strategy: Callable, guarded_dims: GuardedDims) ->
 
     def strategy(op_schema: OpSchema) -> OpStrategy:
         offered = torch_strategy(op_schema)
-        runnable = _runnable(offered, guarded_dims(op_schema))
+        dims = guarded_dims(op_schema)
+        runnable = _runnable(offered, dims)
         if len(runnable.strategies) == len(offered.strategies):
             return offered
         if runnable.strategies:
             return runnable
-        dims = guarded_dims(op_schema)
         source = op_schema.args_schema[0]
         target = _unstarved(source.strategies[0].output_spec, dims)
         moved_schema = OpSchema(op_schema.op, (OpStrategy([OpSpec(target)]), *op_schema.args_schema[1:]),
@@ -174,7 +174,6 @@ def runnable_op_strategy(torch_strategy: Callable, guarded_dims: GuardedDims) ->
             moved.append(OpSpec(spec.output_specs, spec.input_specs, [cost, *spec.redistribute_cost[1:]]))
         return OpStrategy(moved)
 
-    strategy.__wrapped__ = torch_strategy
     return strategy
 
 
