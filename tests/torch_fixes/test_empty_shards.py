@@ -156,7 +156,9 @@ def test_uninstall_puts_torch_registrations_back():
     ops = [aten._fft_c2c.default, aten.native_batch_norm.default, aten.max.default, aten.linalg_vector_norm.default]
     dtensor_ext.install(fix_torch=False)
     before = {op: _compat.snapshot_registration(op) for op in ops}
-    assert [_compat.torch_strategy_kind(op) for op in ops] == ["single_dim", "single_dim", "op_strategy", "op_strategy"]
+    # torch 2.13 shards the FFTs and batch norm with single-dim rules and max and the norms with op_strategy
+    # functions (2.14: single-dim rules too); the fix wraps either kind
+    assert {_compat.torch_strategy_kind(op) for op in ops} <= {"single_dim", "op_strategy"}
     dtensor_ext.install()
     assert all(_compat.snapshot_registration(op) != before[op] for op in ops)
     dtensor_ext.install(fix_torch=False)
