@@ -509,3 +509,10 @@ def local_shapes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Se
         _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements, skip_offset=True)[0]
         for coordinate in itertools.product(*(range(n) for n in mesh_shape))
     ]
+
+
+def outside_dispatch_modes():
+    """Context in which ops run torch's real kernels even under an active dispatch mode (fake, LocalTensor)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
