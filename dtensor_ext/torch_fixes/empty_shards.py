@@ -3,16 +3,16 @@
 DTensor splits a sharded dim like `torch.chunk`, so 5 rows over 4 ranks are held as 2, 2, 1, 0 and one rank holds
 an empty shard; torch offers such layouts (its `is_tensor_shardable` only asks for size >= number of shards). Some
 local kernels raise on an empty input although the op's result on it is simply empty: the MKL FFTs
-(`_fft_c2c/_fft_r2c/_fft_c2r`), batch norm in training mode, `max`/`min` without a dim and `linalg_vector_norm`
-for orders without an identity (inf, negative). Where a feature check finds the running torch's CPU kernel
-rejecting an empty input, these ops' strategies lose exactly the layouts that leave some rank an empty shard of
-a dim the kernel needs non-empty; DTensor's cost model then picks the cheapest layout left. Every other layout
-(even shards, empty shards of a dim the kernel accepts empty, calls whose arguments the kernel takes empty) is
-offered as torch offers it.
+(`_fft_c2c/_fft_r2c/_fft_c2r`), batch norm in training mode, `max`/`min` without a dim, `amax`/`amin` over an
+empty dim and `linalg_vector_norm` for orders without an identity (inf, negative). Where a feature check finds
+the running torch's CPU kernel rejecting an empty input, these ops' strategies lose exactly the layouts that
+leave some rank an empty shard of a dim the kernel needs non-empty; DTensor's cost model then picks the cheapest
+layout left. Every other layout (even shards, empty shards of a dim the kernel accepts empty, calls whose
+arguments the kernel takes empty) is offered as torch offers it.
 
-`max`/`min` could keep the empty shard if that rank contributed the reduction's identity to `Partial(max/min)`, but
-that needs a local kernel of ours, and integer and bool inputs have no infinite identity; avoiding the empty shard
-is what the op's own kernel can run.
+`max`/`min`/`amax`/`amin` could keep the empty shard if that rank contributed the reduction's identity to
+`Partial(max/min)`, but that needs a local kernel of ours, and integer and bool inputs have no infinite identity;
+avoiding the empty shard is what the op's own kernel can run.
 """
 
 from __future__ import annotations
@@ -64,16 +64,22 @@ def _every_dim_when_training(op_schema: OpSchema) -> tuple[int, ...]:
     return _every_dim(op_schema) if training else ()
 
 
+def _reduced_dims(op_schema: OpSchema) -> tuple[int, ...]:
+    """The dims the op's `dim` argument reduces (None or [] reduce every dim; ops without `dim` reduce all)."""
+    has_dim_arg = any(a.name == "dim" for a in op_schema.op._schema.arguments)
+    dims = _arg(op_schema, "dim", None) if has_dim_arg else None
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return _every_dim(op_schema)
+    ndim = _ndim(op_schema)
+    return tuple(d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+
+
 def _reduced_dims_without_identity(op_schema: OpSchema) -> tuple[int, ...]:
     order_name = "ord" if op_schema.op is aten.linalg_vector_norm.default else "p"
     order = _arg(op_schema, order_name, 2)
     if order is None or not (order < 0 or math.isinf(order)):
         return ()  # sum-like norms reduce an empty shard to 0, and the kernel does so
-    dims = _arg(op_schema, "dim", None) if order_name == "ord" else None
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return _every_dim(op_schema)
-    ndim = _ndim(op_schema)
-    return tuple(d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+    return _reduced_dims(op_schema)
 
 
 def _no_rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -113,6 +119,8 @@ def kernels() -> dict:
         ),
         aten.max.default: EmptyRejecting(lambda: aten.max(_no_rows()), _every_dim),
         aten.min.default: EmptyRejecting(lambda: aten.min(_no_rows()), _every_dim),
+        aten.amax.default: EmptyRejecting(lambda: aten.amax(_no_rows()), _reduced_dims),
+        aten.amin.default: EmptyRejecting(lambda: aten.amin(_no_rows()), _reduced_dims),
         aten.linalg_vector_norm.default: EmptyRejecting(
             lambda: aten.linalg_vector_norm(_no_rows(), float("inf")), _reduced_dims_without_identity
         ),
@@ -238,10 +246,11 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
         "aten::_fft_c2c.default", "aten::_fft_r2c.default", "aten::_fft_c2r.default",
         "aten::native_batch_norm.default", "aten::_native_batch_norm_legit.default",
         "aten::_native_batch_norm_legit.no_stats", "aten::_batch_norm_with_update.default",
-        "aten::max.default", "aten::min.default", "aten::linalg_vector_norm.default", "aten::norm.Scalar",
+        "aten::max.default", "aten::min.default", "aten::amax.default", "aten::amin.default",
+        "aten::linalg_vector_norm.default", "aten::norm.Scalar",
     ),
     why="torch keeps layouts where a rank holds an empty shard (5 over 4 ranks: 2,2,1,0) and the CPU kernel "
-    "(MKL FFT, batch norm training, max/min without dim, inf/negative norms) raises on the empty input",
+    "(MKL FFT, batch norm training, max/min/amax/amin, inf/negative norms) raises on the empty input",
 )
 def fix_empty_shards():
     undos = [

@@ -48,6 +48,8 @@ REJECTING = [
      _real(3, 9, 4)),
     ("max", torch.max, _real(9, 3)),
     ("min", torch.min, _real(9, 3)),
+    ("amax", torch.amax, _real(9, 3)),
+    ("amin_of_the_sharded_dim", lambda x: torch.amin(x, 0), _real(9, 3)),
     ("norm_inf", lambda x: torch.linalg.vector_norm(x, INF), _real(9, 3)),
     ("norm_minus_inf", lambda x: torch.linalg.vector_norm(x, -INF), _real(9, 3)),
     ("norm_minus_one", lambda x: torch.linalg.vector_norm(x, -1), _real(9, 3)),
@@ -78,7 +80,8 @@ def test_torch_fails_and_the_fix_runs_it(name, fn, x, mesh_shape):
     dim = SHARDED_DIM.get(name, 0)
     placements = [Shard(dim)] * len(mesh_shape)
     dtensor_ext.install(fix_torch=False)
-    with simulated_mesh(mesh_shape) as mesh, pytest.raises(RuntimeError, match="MKL|at least one|numel|norm"):
+    kernel_errors = "MKL|at least one element|numel|norm on|non-zero size"
+    with simulated_mesh(mesh_shape) as mesh, pytest.raises((RuntimeError, IndexError), match=kernel_errors):
         _run(fn, x, mesh, placements)
     dtensor_ext.install()
     with simulated_mesh(mesh_shape) as mesh:
@@ -118,6 +121,7 @@ KEPT = [
     ("fft_even", torch.fft.fft, _complex(8, 6), [Shard(0)]),
     ("fft_partial", torch.fft.fft, _complex(5, 6), [Partial()]),
     ("max_even", torch.max, _real(8, 3), [Shard(0)]),
+    ("amax_kept_dim", lambda x: torch.amax(x, 1), _real(5, 3), [Shard(0)]),
     ("norm_inf_kept_dim", lambda x: torch.linalg.vector_norm(x, INF, dim=1), _real(5, 3), [Shard(0)]),
     ("norm_2", lambda x: torch.linalg.vector_norm(x, 2), _real(5, 3), [Shard(0)]),
     ("batch_norm_even", lambda x: F.batch_norm(x, None, None, training=True), _real(3, 8, 4), [Shard(1)]),
