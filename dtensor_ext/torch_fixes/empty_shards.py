@@ -3,11 +3,12 @@
 DTensor splits a sharded dim like `torch.chunk`, so 5 rows over 4 ranks are held as 2, 2, 1, 0 and one rank holds
 an empty shard; torch offers such layouts (its `is_tensor_shardable` only asks for size >= number of shards). Some
 local kernels raise on an empty input although the op's result on it is simply empty: the MKL FFTs
-(`_fft_c2c/_fft_r2c/_fft_c2r`), batch norm in training mode, `max`/`min` without a dim, `amax`/`amin` over an
-empty dim and `linalg_vector_norm` for orders without an identity (inf, negative). Where a feature check finds
-the running torch's CPU kernel rejecting an empty input, these ops' strategies lose exactly the layouts that
-leave some rank an empty shard of a dim the kernel needs non-empty; DTensor's cost model then picks the cheapest
-layout left. Every other layout (even shards, empty shards of a dim the kernel accepts empty, calls whose
+(`_fft_c2c/_fft_r2c/_fft_c2r`), batch norm in training mode, `max`/`min` without a dim, `amax`/`amin`/`argmax`/
+`argmin` over an empty dim and `linalg_vector_norm` for orders without an identity (inf, negative). Where a
+feature check finds the running torch's CPU kernel rejecting an empty input, these ops' strategies lose exactly
+the layouts that leave some rank an empty shard of a dim the kernel needs non-empty; DTensor's cost model then
+picks the cheapest layout left (argmax/argmin, which torch runs through a custom handler, get their input moved
+before the handler runs). Every other layout (even shards, empty shards of a dim the kernel accepts empty, calls whose
 arguments the kernel takes empty) is offered as torch offers it.
 
 `max`/`min`/`amax`/`amin` could keep the empty shard if that rank contributed the reduction's identity to
@@ -51,7 +52,7 @@ def _arg(op_schema: OpSchema, name: str, default: object) -> object:
 
 
 def _ndim(op_schema: OpSchema) -> int:
-    return len(op_schema.args_strategy[0].shape)
+    return op_schema.args_schema[0].ndim  # an OpStrategy while propagating, a DTensorSpec in a handler
 
 
 def _every_dim(op_schema: OpSchema) -> tuple[int, ...]:
@@ -68,9 +69,9 @@ def _reduced_dims(op_schema: OpSchema) -> tuple[int, ...]:
     """The dims the op's `dim` argument reduces (None or [] reduce every dim; ops without `dim` reduce all)."""
     has_dim_arg = any(a.name == "dim" for a in op_schema.op._schema.arguments)
     dims = _arg(op_schema, "dim", None) if has_dim_arg else None
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return _every_dim(op_schema)
     ndim = _ndim(op_schema)
+    if dims is None or ndim == 0 or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return _every_dim(op_schema)  # a 0-dim tensor takes dim 0 or -1 and has no dim to shard
     return tuple(d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
 
 
@@ -121,6 +122,8 @@ def kernels() -> dict:
         aten.min.default: EmptyRejecting(lambda: aten.min(_no_rows()), _every_dim),
         aten.amax.default: EmptyRejecting(lambda: aten.amax(_no_rows()), _reduced_dims),
         aten.amin.default: EmptyRejecting(lambda: aten.amin(_no_rows()), _reduced_dims),
+        aten.argmax.default: EmptyRejecting(lambda: aten.argmax(_no_rows()), _reduced_dims),
+        aten.argmin.default: EmptyRejecting(lambda: aten.argmin(_no_rows()), _reduced_dims),
         aten.linalg_vector_norm.default: EmptyRejecting(
             lambda: aten.linalg_vector_norm(_no_rows(), float("inf")), _reduced_dims_without_identity
         ),
@@ -134,7 +137,7 @@ def rejects_empty_input(kernel: EmptyRejecting) -> bool:
     try:
         with _compat.outside_dispatch_modes():  # the real kernel, also when install() runs under a fake mode
             kernel.probe()
-    except RuntimeError:
+    except (RuntimeError, IndexError):  # torch's checks raise one or the other (TORCH_CHECK / TORCH_CHECK_INDEX)
         return True
     return False
 
@@ -224,7 +227,28 @@ def runnable_single_dim(info: object, guarded_dims: GuardedDims) -> Callable:
     return strategy
 
 
+def unstarving_handler(handler: Callable, guarded_dims: GuardedDims) -> Callable:
+    """torch's custom dispatch handler for an op, run on an input first moved off any layout that starves a rank.
+
+    Such handlers (argmax/argmin) compute on the input's own local pieces, so no strategy can steer them.
+    """
+
+    def handle(op_call, args, kwargs):
+        source = args[0]
+        dims = guarded_dims(OpSchema(op_call, (source._spec, *args[1:]), kwargs))
+        if starves_a_rank(source._spec, dims):
+            target = _unstarved(source._spec, dims)
+            args = (source.redistribute(source.device_mesh, target.placements), *args[1:])
+        return handler(op_call, args, kwargs)
+
+    return handle
+
+
 def _steer(op, kernel: EmptyRejecting) -> Undo | None:
+    handler = _compat.custom_op_handler(op)
+    if handler is not None:  # it runs in place of DTensor's propagate-redistribute-compute path
+        _compat.set_custom_op_handler(op, unstarving_handler(handler, kernel.guarded_dims))
+        return lambda: _compat.set_custom_op_handler(op, handler)
     snapshot = _compat.snapshot_registration(op)
     kind = _compat.torch_strategy_kind(op)
     if kind == "single_dim":
@@ -247,10 +271,11 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
         "aten::native_batch_norm.default", "aten::_native_batch_norm_legit.default",
         "aten::_native_batch_norm_legit.no_stats", "aten::_batch_norm_with_update.default",
         "aten::max.default", "aten::min.default", "aten::amax.default", "aten::amin.default",
+        "aten::argmax.default", "aten::argmin.default",
         "aten::linalg_vector_norm.default", "aten::norm.Scalar",
     ),
     why="torch keeps layouts where a rank holds an empty shard (5 over 4 ranks: 2,2,1,0) and the CPU kernel "
-    "(MKL FFT, batch norm training, max/min/amax/amin, inf/negative norms) raises on the empty input",
+    "(MKL FFT, batch norm training, max/min/amax/amin/argmax/argmin, inf/negative norms) raises on the empty input",
 )
 def fix_empty_shards():
     undos = [

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
@@ -50,6 +50,8 @@ REJECTING = [
     ("min", torch.min, _real(9, 3)),
     ("amax", torch.amax, _real(9, 3)),
     ("amin_of_the_sharded_dim", lambda x: torch.amin(x, 0), _real(9, 3)),
+    ("argmax", torch.argmax, _real(9, 3)),  # torch runs these two through a custom handler, not a strategy
+    ("argmin_of_the_sharded_dim", lambda x: torch.argmin(x, 0), _real(9, 3)),
     ("norm_inf", lambda x: torch.linalg.vector_norm(x, INF), _real(9, 3)),
     ("norm_minus_inf", lambda x: torch.linalg.vector_norm(x, -INF), _real(9, 3)),
     ("norm_minus_one", lambda x: torch.linalg.vector_norm(x, -1), _real(9, 3)),
@@ -80,7 +82,7 @@ def test_torch_fails_and_the_fix_runs_it(name, fn, x, mesh_shape):
     dim = SHARDED_DIM.get(name, 0)
     placements = [Shard(dim)] * len(mesh_shape)
     dtensor_ext.install(fix_torch=False)
-    kernel_errors = "MKL|at least one element|numel|norm on|non-zero size"
+    kernel_errors = "MKL|at least one element|numel|norm on|non-zero size|no elements"
     with simulated_mesh(mesh_shape) as mesh, pytest.raises((RuntimeError, IndexError), match=kernel_errors):
         _run(fn, x, mesh, placements)
     dtensor_ext.install()
@@ -122,6 +124,8 @@ KEPT = [
     ("fft_partial", torch.fft.fft, _complex(5, 6), [Partial()]),
     ("max_even", torch.max, _real(8, 3), [Shard(0)]),
     ("amax_kept_dim", lambda x: torch.amax(x, 1), _real(5, 3), [Shard(0)]),
+    ("amax_of_a_scalar", lambda x: torch.amax(x, 0), torch.tensor(1.5), [Replicate()]),
+    ("argmax_kept_dim", lambda x: torch.argmax(x, 1), _real(5, 3), [Shard(0)]),
     ("norm_inf_kept_dim", lambda x: torch.linalg.vector_norm(x, INF, dim=1), _real(5, 3), [Shard(0)]),
     ("norm_2", lambda x: torch.linalg.vector_norm(x, 2), _real(5, 3), [Shard(0)]),
     ("batch_norm_even", lambda x: F.batch_norm(x, None, None, training=True), _real(3, 8, 4), [Shard(1)]),
@@ -162,13 +166,16 @@ def test_uninstall_puts_torch_registrations_back():
     ops = [aten._fft_c2c.default, aten.native_batch_norm.default, aten.max.default, aten.linalg_vector_norm.default]
     dtensor_ext.install(fix_torch=False)
     before = {op: _compat.snapshot_registration(op) for op in ops}
+    torch_handler = _compat.custom_op_handler(aten.argmax.default)
     # torch 2.13 shards the FFTs and batch norm with single-dim rules and max and the norms with op_strategy
     # functions (2.14: single-dim rules too); the fix wraps either kind
     assert {_compat.torch_strategy_kind(op) for op in ops} <= {"single_dim", "op_strategy"}
     dtensor_ext.install()
     assert all(_compat.snapshot_registration(op) != before[op] for op in ops)
+    assert _compat.custom_op_handler(aten.argmax.default) is not torch_handler
     dtensor_ext.install(fix_torch=False)
     after = {op: _compat.snapshot_registration(op) for op in ops}
+    assert _compat.custom_op_handler(aten.argmax.default) is torch_handler
     assert all(after[op].keys() == before[op].keys() and all(after[op][t] is before[op][t] for t in before[op])
                for op in ops)
 
