@@ -145,8 +145,8 @@ def rejects_empty_input(kernel: EmptyRejecting) -> bool:
 def starves_a_rank(spec: DTensorSpec, dims: tuple[int, ...]) -> bool:
     """Whether some rank would hold an empty shard of one of `dims` of a non-empty tensor placed as `spec`."""
     shape = tuple(spec.tensor_meta.shape)
-    if not dims or 0 in shape:
-        return False  # an empty tensor is empty on one device too: nothing to choose
+    if 0 in shape or not any(getattr(p, "dim", None) in dims for p in spec.placements):
+        return False  # nothing of `dims` is sharded, or the tensor is empty on one device too: nothing to choose
     return any(local[d] == 0 for local in _compat.local_shapes(shape, spec.mesh.shape, spec.placements) for d in dims)
 
 
