@@ -145,8 +145,11 @@ def restore_registration(op: OpOverload, snapshot: dict[str, Any]) -> None:
 
 
 def single_dim_func(op: OpOverload) -> Callable | None:
-    """The raw rule function registered for `op` (unwrapping torch's info record where there is one)."""
+    """The raw rule function registered for `op` (unwrapping torch's info record where there is one); also the rule
+    a torch fix moved behind an op_strategy filter (it keeps the record as `single_dim_info`)."""
     info = propagator().op_single_dim_strategy_funcs.get(op)
+    if info is None:
+        info = getattr(propagator().op_strategy_funcs.get(op), "single_dim_info", None)
     if info is None:
         return None
     return getattr(info, "func", info)

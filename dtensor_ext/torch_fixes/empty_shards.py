@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
@@ -207,6 +208,8 @@ def runnable_single_dim(info: object, guarded_dims: GuardedDims) -> Callable:
     """
 
     def strategy(op_schema: OpSchema) -> OpStrategy:
+        if any(len(s.strategies) != 1 for s in op_schema.args_strategy):
+            return _queried_without_a_layout(op_schema)
         mesh = op_schema.args_strategy[0].mesh
         output_meta = _compat.output_tensor_meta(op_schema)
 
@@ -224,6 +227,27 @@ def runnable_single_dim(info: object, guarded_dims: GuardedDims) -> Callable:
             runnable = _runnable(expanded_by(_compat.full_single_dim_expansion), dims)
         return runnable
 
+    def _queried_without_a_layout(op_schema: OpSchema) -> OpStrategy:
+        """Tools (torch's strategy_validation) ask with every candidate layout of each input at once, which torch's
+        expansion refuses: expand for one candidate per input (a sharded one where there is one: the rows depend
+        only on which shard types the inputs use), filter, and price each row against all candidates."""
+        sources = op_schema.args_strategy
+
+        def one_candidate(source: OpStrategy) -> OpStrategy:
+            sharded = [s for s in source.strategies if any(hasattr(p, "dim") for p in s.output_spec.placements)]
+            return OpStrategy((sharded or source.strategies)[:1])
+
+        chosen = pytree.tree_map_only(OpStrategy, one_candidate, (op_schema.args_schema, op_schema.kwargs_schema))
+        offered = strategy(OpSchema(op_schema.op, *chosen, schema_info=op_schema.schema_info))
+        return OpStrategy([
+            OpSpec(spec.output_specs, spec.input_specs, [
+                [_compat.redistribute_cost(s.output_spec, target) for s in source.strategies]
+                for source, target in zip(sources, spec.input_specs)
+            ])
+            for spec in offered.strategies
+        ])
+
+    strategy.single_dim_info = info  # torch's rule stays discoverable (`_compat.single_dim_func`)
     return strategy
 
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
 from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 from dtensor_ext.torch_fixes import empty_shards
 
@@ -186,3 +187,17 @@ def test_starves_a_rank_follows_torch_chunking():
         assert empty_shards.starves_a_rank(spec, (0,))
         assert not empty_shards.starves_a_rank(spec, (1,))
         assert not empty_shards.starves_a_rank(place_dtensor(_real(7, 8), mesh, [Shard(0)])._spec, (0,))
+
+
+def test_tools_asking_with_every_candidate_layout_get_torch_rows():
+    """torch's strategy_validation queries an op_strategy with all candidate layouts of each input at once."""
+    x = _real(3, 4, 2)
+    op = aten._native_batch_norm_legit.no_stats
+    candidates = [Replicate(), Shard(0), Shard(1), Partial()]
+    with simulated_mesh((2,)) as mesh:
+        meta = _compat.tensor_meta(x)
+        source = OpStrategy([OpSpec(DTensorSpec(mesh, (p,), tensor_meta=meta)) for p in candidates])
+        offered = _compat.propagator().op_strategy_funcs[op](OpSchema(op, (source, None, None, True, 0.1, 1e-5), {}))
+    rows = {(spec.input_specs[0].placements, spec.output_specs[0].placements) for spec in offered.strategies}
+    assert rows == {((Replicate(),), (Replicate(),)), ((Shard(1),), (Shard(1),))}
+    assert all(len(spec.redistribute_cost[0]) == len(candidates) for spec in offered.strategies)
