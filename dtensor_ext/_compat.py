@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -145,8 +146,11 @@ def restore_registration(op: OpOverload, snapshot: dict[str, Any]) -> None:
 
 
 def single_dim_func(op: OpOverload) -> Callable | None:
-    """The raw rule function registered for `op` (unwrapping torch's info record where there is one)."""
+    """The raw rule function registered for `op` (unwrapping torch's info record where there is one); also the rule
+    a torch fix moved behind an op_strategy filter (it keeps the record as `single_dim_info`)."""
     info = propagator().op_single_dim_strategy_funcs.get(op)
+    if info is None:
+        info = getattr(propagator().op_strategy_funcs.get(op), "single_dim_info", None)
     if info is None:
         return None
     return getattr(info, "func", info)
@@ -533,6 +537,7 @@ def op_strategy_func(op: OpOverload) -> Callable | None:
 
 
 def register_op_strategy(op: OpOverload, func: Callable, *, schema_info: RuntimeSchemaInfo | None = None) -> None:
+    """Register `func(strategy_schema) -> OpStrategy` as `op`'s op_strategy function in torch's table."""
     propagator().register_op_strategy(op, func, schema_info)
 
 
@@ -590,3 +595,29 @@ def torch_strategy_source(op: OpOverload) -> str | None:
         return inspect.getsource(func)
     except (OSError, TypeError):
         return None
+
+
+def output_tensor_meta(strategy_schema: OpSchema):
+    """The global output TensorMeta(s) of the op in `strategy_schema` (tensor args as OpStrategy), as torch's
+    propagator computes them before expanding a single-dim rule."""
+    as_specs = pytree.tree_map_only(OpStrategy, lambda s: s.strategies[0].output_spec,
+                                    (strategy_schema.args_schema, strategy_schema.kwargs_schema))
+    return propagator()._propagate_tensor_meta_non_cached(OpSchema(strategy_schema.op, *as_specs))
+
+
+def local_shapes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> list[tuple]:
+    """Every rank's local shape of a tensor of global `shape` placed so on a mesh of `mesh_shape` (torch's own
+    chunking, strided shards included)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return [
+        _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements, skip_offset=True)[0]
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape))
+    ]
+
+
+def outside_dispatch_modes():
+    """Context in which ops run torch's real kernels even under an active dispatch mode (fake, LocalTensor)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()

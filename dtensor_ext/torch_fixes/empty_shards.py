@@ -1,0 +1,311 @@
+"""Layouts that leave a rank an empty shard its local kernel rejects: DTensor picks a layout that runs instead.
+
+DTensor splits a sharded dim like `torch.chunk`, so 5 rows over 4 ranks are held as 2, 2, 1, 0 and one rank holds
+an empty shard; torch offers such layouts (its `is_tensor_shardable` only asks for size >= number of shards). Some
+local kernels raise on an empty input although the op's result on it is simply empty: the MKL FFTs
+(`_fft_c2c/_fft_r2c/_fft_c2r`), batch norm in training mode, `max`/`min` without a dim, `amax`/`amin`/`argmax`/
+`argmin` over an empty dim and `linalg_vector_norm` for orders without an identity (inf, negative). Where a
+feature check finds the running torch's CPU kernel rejecting an empty input, these ops' strategies lose exactly
+the layouts that leave some rank an empty shard of a dim the kernel needs non-empty; DTensor's cost model then
+picks the cheapest layout left (argmax/argmin, which torch runs through a custom handler, get their input moved
+before the handler runs). Every other layout (even shards, empty shards of a dim the kernel accepts empty, calls whose
+arguments the kernel takes empty) is offered as torch offers it.
+
+`max`/`min`/`amax`/`amin` could keep the empty shard if that rank contributed the reduction's identity to
+`Partial(max/min)`, but that needs a local kernel of ours, and integer and bool inputs have no infinite identity;
+avoiding the empty shard is what the op's own kernel can run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
+from dtensor_ext.torch_fixes import Undo, restorer, torch_fix, undo_all
+
+aten = torch.ops.aten
+
+GuardedDims = Callable[[OpSchema], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class EmptyRejecting:
+    """How one op's kernel treats an empty input."""
+
+    # runs the CPU kernel on a small input with an empty dim, with arguments under which it should be rejected
+    probe: Callable[[], object]
+    # the dims of the first tensor input that no rank may hold empty in this call (() where the call takes empty)
+    guarded_dims: GuardedDims
+
+
+def _arg(op_schema: OpSchema, name: str, default: object) -> object:
+    names = [a.name for a in op_schema.op._schema.arguments]
+    index = names.index(name)
+    if index < len(op_schema.args_schema):
+        return op_schema.args_schema[index]
+    return op_schema.kwargs_schema.get(name, default)
+
+
+def _ndim(op_schema: OpSchema) -> int:
+    return op_schema.args_schema[0].ndim  # an OpStrategy while propagating, a DTensorSpec in a handler
+
+
+def _every_dim(op_schema: OpSchema) -> tuple[int, ...]:
+    return tuple(range(_ndim(op_schema)))
+
+
+def _every_dim_when_training(op_schema: OpSchema) -> tuple[int, ...]:
+    has_training_arg = any(a.name == "training" for a in op_schema.op._schema.arguments)
+    training = _arg(op_schema, "training", None) if has_training_arg else True  # _batch_norm_with_update trains
+    return _every_dim(op_schema) if training else ()
+
+
+def _reduced_dims(op_schema: OpSchema) -> tuple[int, ...]:
+    """The dims the op's `dim` argument reduces (None or [] reduce every dim; ops without `dim` reduce all)."""
+    has_dim_arg = any(a.name == "dim" for a in op_schema.op._schema.arguments)
+    dims = _arg(op_schema, "dim", None) if has_dim_arg else None
+    ndim = _ndim(op_schema)
+    if dims is None or ndim == 0 or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return _every_dim(op_schema)  # a 0-dim tensor takes dim 0 or -1 and has no dim to shard
+    return tuple(d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+
+
+def _reduced_dims_without_identity(op_schema: OpSchema) -> tuple[int, ...]:
+    order_name = "ord" if op_schema.op is aten.linalg_vector_norm.default else "p"
+    order = _arg(op_schema, order_name, 2)
+    if order is None or not (order < 0 or math.isinf(order)):
+        return ()  # sum-like norms reduce an empty shard to 0, and the kernel does so
+    return _reduced_dims(op_schema)
+
+
+def _no_rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(0, 4, dtype=dtype)
+
+
+def _no_channels(*batch_and_spatial: int) -> torch.Tensor:
+    """A batch norm input with 0 channels; without sizes, a per-channel vector (running stats) of 0 channels."""
+    return torch.zeros(*batch_and_spatial[:1], 0, *batch_and_spatial[1:])
+
+
+def kernels() -> dict:
+    """The ops whose CPU kernel may reject an empty input, with a probe and the dims each call needs non-empty."""
+    return {
+        aten._fft_c2c.default: EmptyRejecting(lambda: aten._fft_c2c(_no_rows(torch.cfloat), [1], 0, True), _every_dim),
+        aten._fft_r2c.default: EmptyRejecting(lambda: aten._fft_r2c(_no_rows(), [1], 0, True), _every_dim),
+        aten._fft_c2r.default: EmptyRejecting(lambda: aten._fft_c2r(_no_rows(torch.cfloat), [1], 0, 6), _every_dim),
+        aten.native_batch_norm.default: EmptyRejecting(
+            lambda: aten.native_batch_norm(_no_channels(2, 3), None, None, None, None, True, 0.1, 1e-5),
+            _every_dim_when_training,
+        ),
+        aten._native_batch_norm_legit.default: EmptyRejecting(
+            lambda: aten._native_batch_norm_legit(
+                _no_channels(2, 3), None, None, _no_channels(), _no_channels(), True, 0.1, 1e-5
+            ),
+            _every_dim_when_training,
+        ),
+        aten._native_batch_norm_legit.no_stats: EmptyRejecting(
+            lambda: aten._native_batch_norm_legit.no_stats(_no_channels(2, 3), None, None, True, 0.1, 1e-5),
+            _every_dim_when_training,
+        ),
+        aten._batch_norm_with_update.default: EmptyRejecting(
+            lambda: aten._batch_norm_with_update(
+                _no_channels(2, 3), None, None, _no_channels(), _no_channels(), 0.1, 1e-5
+            ),
+            _every_dim_when_training,
+        ),
+        aten.max.default: EmptyRejecting(lambda: aten.max(_no_rows()), _every_dim),
+        aten.min.default: EmptyRejecting(lambda: aten.min(_no_rows()), _every_dim),
+        aten.amax.default: EmptyRejecting(lambda: aten.amax(_no_rows()), _reduced_dims),
+        aten.amin.default: EmptyRejecting(lambda: aten.amin(_no_rows()), _reduced_dims),
+        aten.argmax.default: EmptyRejecting(lambda: aten.argmax(_no_rows()), _reduced_dims),
+        aten.argmin.default: EmptyRejecting(lambda: aten.argmin(_no_rows()), _reduced_dims),
+        aten.linalg_vector_norm.default: EmptyRejecting(
+            lambda: aten.linalg_vector_norm(_no_rows(), float("inf")), _reduced_dims_without_identity
+        ),
+        aten.norm.Scalar: EmptyRejecting(lambda: aten.norm.Scalar(_no_rows(), float("inf")),
+                                         _reduced_dims_without_identity),
+    }
+
+
+def rejects_empty_input(kernel: EmptyRejecting) -> bool:
+    """The feature check: whether the running torch's kernel raises on the probe's empty input."""
+    try:
+        with _compat.outside_dispatch_modes():  # the real kernel, also when install() runs under a fake mode
+            kernel.probe()
+    except (RuntimeError, IndexError):  # torch's checks raise one or the other (TORCH_CHECK / TORCH_CHECK_INDEX)
+        return True
+    return False
+
+
+def starves_a_rank(spec: DTensorSpec, dims: tuple[int, ...]) -> bool:
+    """Whether some rank would hold an empty shard of one of `dims` of a non-empty tensor placed as `spec`."""
+    shape = tuple(spec.tensor_meta.shape)
+    if 0 in shape or not any(getattr(p, "dim", None) in dims for p in spec.placements):
+        return False  # nothing of `dims` is sharded, or the tensor is empty on one device too: nothing to choose
+    return any(local[d] == 0 for local in _compat.local_shapes(shape, spec.mesh.shape, spec.placements) for d in dims)
+
+
+def _first_input_spec(spec: OpSpec) -> DTensorSpec:
+    return spec.input_specs[0] if spec.input_specs else spec.output_spec
+
+
+def _runnable(offered: OpStrategy, dims: tuple[int, ...]) -> OpStrategy:
+    return OpStrategy([s for s in offered.strategies if not starves_a_rank(_first_input_spec(s), dims)])
+
+
+def _unstarved(spec: DTensorSpec, dims: tuple[int, ...]) -> DTensorSpec:
+    """`spec` with its shards of `dims` replicated, innermost mesh dim first, until no rank is starved."""
+    placements = list(spec.placements)
+    for mesh_dim in reversed(range(len(placements))):
+        if not starves_a_rank(DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta), dims):
+            break
+        if getattr(placements[mesh_dim], "dim", None) in dims:
+            placements[mesh_dim] = Replicate()
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
+def runnable_op_strategy(torch_strategy: Callable, guarded_dims: GuardedDims) -> Callable:
+    """torch's op_strategy function without the layouts that starve a rank.
+
+    torch's reduction strategies follow the input's own layout only; where that starves a rank, they are asked
+    again for the input moved to the nearest layout that does not, priced as the move from where it is.
+    """
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        offered = torch_strategy(op_schema)
+        dims = guarded_dims(op_schema)
+        runnable = _runnable(offered, dims)
+        if len(runnable.strategies) == len(offered.strategies):
+            return offered
+        if runnable.strategies:
+            return runnable
+        source = op_schema.args_schema[0]
+        target = _unstarved(source.strategies[0].output_spec, dims)
+        moved_schema = OpSchema(op_schema.op, (OpStrategy([OpSpec(target)]), *op_schema.args_schema[1:]),
+                                op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+        moved = []
+        for spec in _runnable(torch_strategy(moved_schema), dims).strategies:
+            first = _first_input_spec(spec)
+            cost = [_compat.redistribute_cost(s.output_spec, first) for s in source.strategies]
+            moved.append(OpSpec(spec.output_specs, spec.input_specs, [cost, *spec.redistribute_cost[1:]]))
+        return OpStrategy(moved)
+
+    return strategy
+
+
+def runnable_single_dim(info: object, guarded_dims: GuardedDims) -> Callable:
+    """An op_strategy function: the single-dim rule `info` expanded over the mesh as DTensor would (fast
+    propagation included), without the layouts that starve a rank.
+
+    A single-dim rule cannot see the mesh, so the filter sits after the expansion; where the expansion in use
+    returns only its cheapest pick and that starves a rank, torch's full expansion supplies the alternatives.
+    """
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        if any(len(s.strategies) != 1 for s in op_schema.args_strategy):
+            return _queried_without_a_layout(op_schema)
+        mesh = op_schema.args_strategy[0].mesh
+        output_meta = _compat.output_tensor_meta(op_schema)
+
+        def expanded_by(expand: Callable) -> OpStrategy:
+            return expand(mesh, op_schema, info, output_meta)(op_schema.op, op_schema.args_meta,
+                                                               op_schema.kwargs_meta)
+
+        expand = _compat.single_dim_expansion()
+        offered = expanded_by(expand)
+        dims = guarded_dims(op_schema)
+        runnable = _runnable(offered, dims)
+        if len(runnable.strategies) == len(offered.strategies):
+            return offered
+        if not runnable.strategies and expand is not _compat.full_single_dim_expansion:
+            runnable = _runnable(expanded_by(_compat.full_single_dim_expansion), dims)
+        return runnable
+
+    def _queried_without_a_layout(op_schema: OpSchema) -> OpStrategy:
+        """Tools (torch's strategy_validation) ask with every candidate layout of each input at once, which torch's
+        expansion refuses: expand for one candidate per input (a sharded one where there is one: the rows depend
+        only on which shard types the inputs use), filter, and price each row against all candidates."""
+        sources = op_schema.args_strategy
+
+        def one_candidate(source: OpStrategy) -> OpStrategy:
+            sharded = [s for s in source.strategies if any(hasattr(p, "dim") for p in s.output_spec.placements)]
+            return OpStrategy((sharded or source.strategies)[:1])
+
+        chosen = pytree.tree_map_only(OpStrategy, one_candidate, (op_schema.args_schema, op_schema.kwargs_schema))
+        offered = strategy(OpSchema(op_schema.op, *chosen, schema_info=op_schema.schema_info))
+        return OpStrategy([
+            OpSpec(spec.output_specs, spec.input_specs, [
+                [_compat.redistribute_cost(s.output_spec, target) for s in source.strategies]
+                for source, target in zip(sources, spec.input_specs)
+            ])
+            for spec in offered.strategies
+        ])
+
+    strategy.single_dim_info = info  # torch's rule stays discoverable (`_compat.single_dim_func`)
+    return strategy
+
+
+def unstarving_handler(handler: Callable, guarded_dims: GuardedDims) -> Callable:
+    """torch's custom dispatch handler for an op, run on an input first moved off any layout that starves a rank.
+
+    Such handlers (argmax/argmin) compute on the input's own local pieces, so no strategy can steer them.
+    """
+
+    def handle(op_call, args, kwargs):
+        source = args[0]
+        dims = guarded_dims(OpSchema(op_call, (source._spec, *args[1:]), kwargs))
+        if starves_a_rank(source._spec, dims):
+            target = _unstarved(source._spec, dims)
+            args = (source.redistribute(source.device_mesh, target.placements), *args[1:])
+        return handler(op_call, args, kwargs)
+
+    return handle
+
+
+def _steer(op, kernel: EmptyRejecting) -> Undo | None:
+    handler = _compat.custom_op_handler(op)
+    if handler is not None:  # it runs in place of DTensor's propagate-redistribute-compute path
+        _compat.set_custom_op_handler(op, unstarving_handler(handler, kernel.guarded_dims))
+        return lambda: _compat.set_custom_op_handler(op, handler)
+    snapshot = _compat.snapshot_registration(op)
+    undo = restorer(op)
+    kind = _compat.torch_strategy_kind(op)
+    if kind == "single_dim":
+        schema_info = snapshot.get("op_to_schema_info_for_single_dim_strategy")
+        strategy = runnable_single_dim(snapshot["op_single_dim_strategy_funcs"], kernel.guarded_dims)
+    elif kind == "op_strategy":
+        schema_info = snapshot.get("op_to_schema_info")
+        strategy = runnable_op_strategy(snapshot["op_strategy_funcs"], kernel.guarded_dims)
+    else:
+        return None  # torch does not shard the op itself: nothing of torch's to steer
+    _compat.restore_registration(op, {})
+    _compat.register_op_strategy(op, strategy, schema_info=schema_info)
+    return undo
+
+
+@torch_fix(
+    "layouts with empty shards the kernel rejects",
+    ops=(
+        "aten::_fft_c2c.default", "aten::_fft_r2c.default", "aten::_fft_c2r.default",
+        "aten::native_batch_norm.default", "aten::_native_batch_norm_legit.default",
+        "aten::_native_batch_norm_legit.no_stats", "aten::_batch_norm_with_update.default",
+        "aten::max.default", "aten::min.default", "aten::amax.default", "aten::amin.default",
+        "aten::argmax.default", "aten::argmin.default",
+        "aten::linalg_vector_norm.default", "aten::norm.Scalar",
+    ),
+    why="torch keeps layouts where a rank holds an empty shard (5 over 4 ranks: 2,2,1,0) and the CPU kernel "
+    "(MKL FFT, batch norm training, max/min/amax/amin/argmax/argmin, inf/negative norms) raises on the empty input",
+)
+def fix_empty_shards():
+    undos = [
+        undo
+        for op, kernel in kernels().items()
+        if rejects_empty_input(kernel) and (undo := _steer(op, kernel)) is not None
+    ]
+    return undo_all(undos) if undos else None

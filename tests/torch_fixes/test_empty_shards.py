@@ -1,0 +1,203 @@
+"""Empty shards the local kernel rejects: torch errors, the fix picks a layout that runs, torch's other picks stay.
+
+9 rows over 4 ranks are held as 3, 3, 3, 0 rows; over a 2x4 mesh sharded twice as 2, 2, 1, 0, 1, 1, 1, 1. A 2x2
+mesh never leaves a rank empty where torch shards at all (it needs size >= number of shards): there the fix must
+change nothing.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import dtensor_ext
+from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy
+from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+from dtensor_ext.torch_fixes import empty_shards
+
+aten = torch.ops.aten
+F = torch.nn.functional
+INF = math.inf
+
+
+@pytest.fixture(autouse=True)
+def default_install():
+    yield
+    dtensor_ext.install()
+
+
+def _real(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def _complex(*shape):
+    return torch.complex(_real(*shape), _real(*shape) * 0.5)
+
+
+# (name, op on a tensor, global input): every kernel here raises on an empty input on this torch
+REJECTING = [
+    ("fft_c2c", torch.fft.fft, _complex(9, 6)),
+    ("fft_r2c", torch.fft.rfft, _real(9, 6)),
+    ("fft_c2r", torch.fft.irfft, _complex(9, 4)),
+    ("fft2", torch.fft.fft2, _real(9, 3, 4)),
+    ("fft_of_an_unsharded_dim", lambda x: torch.fft.fft(x, dim=0), _complex(6, 9)),
+    ("batch_norm_training", lambda x: F.batch_norm(x, None, None, training=True), _real(3, 9, 4)),
+    ("batch_norm_no_stats", lambda x: aten._native_batch_norm_legit.no_stats(x, None, None, True, 0.1, 1e-5),
+     _real(3, 9, 4)),
+    ("max", torch.max, _real(9, 3)),
+    ("min", torch.min, _real(9, 3)),
+    ("amax", torch.amax, _real(9, 3)),
+    ("amin_of_the_sharded_dim", lambda x: torch.amin(x, 0), _real(9, 3)),
+    ("argmax", torch.argmax, _real(9, 3)),  # torch runs these two through a custom handler, not a strategy
+    ("argmin_of_the_sharded_dim", lambda x: torch.argmin(x, 0), _real(9, 3)),
+    ("norm_inf", lambda x: torch.linalg.vector_norm(x, INF), _real(9, 3)),
+    ("norm_minus_inf", lambda x: torch.linalg.vector_norm(x, -INF), _real(9, 3)),
+    ("norm_minus_one", lambda x: torch.linalg.vector_norm(x, -1), _real(9, 3)),
+]
+IDS = [name for name, _, _ in REJECTING]
+# the tensor dim each case shards: batch norm's kernel-friendly choice is the channel dim
+SHARDED_DIM = {"batch_norm_training": 1, "batch_norm_no_stats": 1, "fft_of_an_unsharded_dim": 1}
+
+
+def _run(fn, x, mesh, placements):
+    d = place_dtensor(x, mesh, placements)
+    with CommDebugMode() as comm:
+        out = fn(d)
+    return out, comm.get_comm_counts()
+
+
+def _assert_matches(out, expected):
+    outs = out if isinstance(out, tuple) else (out,)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    for o, e in zip(outs, expected):
+        for value in local_values(o.full_tensor()).values():
+            torch.testing.assert_close(value, e, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 4)], ids=["1d4", "2x4"])
+@pytest.mark.parametrize("name,fn,x", REJECTING, ids=IDS)
+def test_torch_fails_and_the_fix_runs_it(name, fn, x, mesh_shape):
+    dim = SHARDED_DIM.get(name, 0)
+    placements = [Shard(dim)] * len(mesh_shape)
+    dtensor_ext.install(fix_torch=False)
+    kernel_errors = "MKL|at least one element|numel|norm on|non-zero size|no elements"
+    with simulated_mesh(mesh_shape) as mesh, pytest.raises((RuntimeError, IndexError), match=kernel_errors):
+        _run(fn, x, mesh, placements)
+    dtensor_ext.install()
+    with simulated_mesh(mesh_shape) as mesh:
+        out, _ = _run(fn, x, mesh, placements)
+        _assert_matches(out, fn(x))
+
+
+def test_feature_check_finds_every_kernel_rejecting_empty_input():
+    kernels = empty_shards.kernels()
+    assert all(empty_shards.rejects_empty_input(kernels[op]) for op in kernels)
+    with _compat.fake_mode_of([]):  # install() under a fake mode still asks the real kernels
+        assert all(empty_shards.rejects_empty_input(kernels[op]) for op in kernels)
+
+
+@pytest.mark.parametrize("name,fn,x", [c for c in REJECTING if c[0] in ("fft_c2c", "fft_r2c", "max", "norm_inf")],
+                         ids=["fft_c2c", "fft_r2c", "max", "norm_inf"])
+def test_partial_inputs(name, fn, x):
+    """Partial(sum) on one mesh dim, an empty shard on the other (9 rows over 4)."""
+    with simulated_mesh((2, 4)) as mesh:
+        out, _ = _run(fn, x, mesh, [Partial(), Shard(0)])
+        _assert_matches(out, fn(x))
+
+
+def test_fast_propagation_also_avoids_the_empty_shard():
+    name, fn, x = REJECTING[0]
+    dtensor_ext.install(fast_propagation=True)
+    try:
+        with simulated_mesh((4,)) as mesh:
+            out, _ = _run(fn, x, mesh, [Shard(0)])
+            _assert_matches(out, fn(x))
+    finally:
+        dtensor_ext.install(fast_propagation=False)
+
+
+# layouts torch already runs right: even shards, empty shards of a dim the kernel takes empty, args it takes empty
+KEPT = [
+    ("fft_even", torch.fft.fft, _complex(8, 6), [Shard(0)]),
+    ("fft_partial", torch.fft.fft, _complex(5, 6), [Partial()]),
+    ("max_even", torch.max, _real(8, 3), [Shard(0)]),
+    ("amax_kept_dim", lambda x: torch.amax(x, 1), _real(5, 3), [Shard(0)]),
+    ("amax_of_a_scalar", lambda x: torch.amax(x, 0), torch.tensor(1.5), [Replicate()]),
+    ("argmax_kept_dim", lambda x: torch.argmax(x, 1), _real(5, 3), [Shard(0)]),
+    ("norm_inf_kept_dim", lambda x: torch.linalg.vector_norm(x, INF, dim=1), _real(5, 3), [Shard(0)]),
+    ("norm_2", lambda x: torch.linalg.vector_norm(x, 2), _real(5, 3), [Shard(0)]),
+    ("batch_norm_even", lambda x: F.batch_norm(x, None, None, training=True), _real(3, 8, 4), [Shard(1)]),
+]
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
+@pytest.mark.parametrize("name,fn,x,placements", KEPT, ids=[k[0] for k in KEPT])
+def test_layouts_torch_runs_stay(name, fn, x, placements, mesh_shape):
+    placements = placements * len(mesh_shape)
+    results = {}
+    for fix in (False, True):
+        dtensor_ext.install(fix_torch=fix)
+        with simulated_mesh(mesh_shape) as mesh:
+            out, comms = _run(fn, x, mesh, placements)
+            _assert_matches(out, fn(x))
+            results[fix] = (out.placements, dict(comms))
+    assert results[True] == results[False]
+
+
+def test_batch_norm_eval_keeps_empty_channel_shards():
+    """Inference batch norm takes an empty input: its layout with a rank holding no channels stays."""
+    x, mean, var = _real(3, 5, 4), _real(5), _real(5).abs() + 1
+    fn = aten.native_batch_norm.default
+    results = {}
+    for fix in (False, True):
+        dtensor_ext.install(fix_torch=fix)
+        with simulated_mesh((4,)) as mesh:
+            args = [place_dtensor(t, mesh, [Shard(d)]) for t, d in ((x, 1), (mean, 0), (var, 0))]
+            with CommDebugMode() as comm:
+                out = fn(args[0], None, None, args[1], args[2], False, 0.1, 1e-5)
+            _assert_matches(out[0], fn(x, None, None, mean, var, False, 0.1, 1e-5)[0])
+            results[fix] = (out[0].placements, dict(comm.get_comm_counts()))
+    assert results[True] == results[False] == ((Shard(1),), {})
+
+
+def test_uninstall_puts_torch_registrations_back():
+    ops = [aten._fft_c2c.default, aten.native_batch_norm.default, aten.max.default, aten.linalg_vector_norm.default]
+    dtensor_ext.install(fix_torch=False)
+    before = {op: _compat.snapshot_registration(op) for op in ops}
+    torch_handler = _compat.custom_op_handler(aten.argmax.default)
+    # torch 2.13 shards the FFTs and batch norm with single-dim rules and max and the norms with op_strategy
+    # functions (2.14: single-dim rules too); the fix wraps either kind
+    assert {_compat.torch_strategy_kind(op) for op in ops} <= {"single_dim", "op_strategy"}
+    dtensor_ext.install()
+    assert all(_compat.snapshot_registration(op) != before[op] for op in ops)
+    assert _compat.custom_op_handler(aten.argmax.default) is not torch_handler
+    dtensor_ext.install(fix_torch=False)
+    after = {op: _compat.snapshot_registration(op) for op in ops}
+    assert _compat.custom_op_handler(aten.argmax.default) is torch_handler
+    assert all(after[op].keys() == before[op].keys() and all(after[op][t] is before[op][t] for t in before[op])
+               for op in ops)
+
+
+def test_starves_a_rank_follows_torch_chunking():
+    with simulated_mesh((4,)) as mesh:
+        spec = place_dtensor(_real(5, 8), mesh, [Shard(0)])._spec
+        assert empty_shards.starves_a_rank(spec, (0,))
+        assert not empty_shards.starves_a_rank(spec, (1,))
+        assert not empty_shards.starves_a_rank(place_dtensor(_real(7, 8), mesh, [Shard(0)])._spec, (0,))
+
+
+def test_tools_asking_with_every_candidate_layout_get_torch_rows():
+    """torch's strategy_validation queries an op_strategy with all candidate layouts of each input at once."""
+    x = _real(3, 4, 2)
+    op = aten._native_batch_norm_legit.no_stats
+    candidates = [Replicate(), Shard(0), Shard(1), Partial()]
+    with simulated_mesh((2,)) as mesh:
+        meta = _compat.tensor_meta(x)
+        source = OpStrategy([OpSpec(DTensorSpec(mesh, (p,), tensor_meta=meta)) for p in candidates])
+        offered = _compat.propagator().op_strategy_funcs[op](OpSchema(op, (source, None, None, True, 0.1, 1e-5), {}))
+    rows = {(spec.input_specs[0].placements, spec.output_specs[0].placements) for spec in offered.strategies}
+    assert rows == {((Replicate(),), (Replicate(),)), ((Shard(1),), (Shard(1),))}
+    assert all(len(spec.redistribute_cost[0]) == len(candidates) for spec in offered.strategies)
