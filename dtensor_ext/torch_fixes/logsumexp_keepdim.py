@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, OpSpec, OpStrategy, Replicate
 from dtensor_ext.torch_fixes import replace_rule, torch_fix
 from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
@@ -36,8 +37,20 @@ def _single_dim(torch_rule):
     return rule
 
 
+def _replicated_scalar(input_strategy):
+    """logsumexp of a 0-d tensor is the tensor itself; 2.13's rule raises on it. Replicate is always right."""
+    specs = []
+    for source in input_strategy.strategies:
+        target = DTensorSpec(source.output_spec.mesh, (Replicate(),) * source.output_spec.mesh.ndim,
+                             tensor_meta=source.output_spec.tensor_meta)
+        specs.append(OpSpec(target, [target], redistribute_cost=[_compat.redistribute_costs(input_strategy, target)]))
+    return OpStrategy(specs[:1])
+
+
 def _op_strategy(torch_strategy):
     def strategy(op_schema):
+        if op_schema.args_schema[0].ndim == 0:
+            return _replicated_scalar(op_schema.args_schema[0])
         args, kwargs = _keyword_keepdim(op_schema.args_schema, op_schema.kwargs_schema)
         return torch_strategy(_compat.OpSchema(op_schema.op, args, kwargs))
 

@@ -56,3 +56,11 @@ def test_every_layout_and_keepdim_spelling_is_right_and_keyword_cases_are_unchan
         finally:
             dtensor_ext.install()
         assert _run(x, list(layout), mesh_shape, dim, keepdim=False)[:2] == torch_result[:2], layout
+
+
+@pytest.mark.parametrize("placement", [Replicate(), Partial()], ids=str)
+def test_zero_dim_input_is_replicated(placement):
+    with simulated_mesh((2,)) as mesh:
+        out = torch.logsumexp(place_dtensor(torch.tensor(1.5), mesh, [placement]), 0)
+        assert out.placements == (Replicate(),)
+        assert all(torch.allclose(v, torch.tensor(1.5)) for v in local_values(out.full_tensor()).values())
