@@ -36,14 +36,12 @@ def assert_torch_validator_agrees(
     are installed (with `upgrade`: also the torch rules we replace). `exercised`: the validator must also have
     confirmed at least one sharded combination (some OpInfo samples only have trivially shardable shapes).
     `allow_composite`: validate each aten op of an OpInfo that runs several (nn.functional.batch_norm)."""
-    from torch.distributed.tensor._ops.strategy_validation import compare_operator
-
     with simulated_mesh((2,)):
         pass  # leaves a fake world of 2 ranks initialized, which the validator needs
     assert dist.is_initialized() and dist.get_world_size() == 2
     dtensor_ext.install(upgrade=upgrade)
     try:
-        stats = compare_operator(
+        stats = _compat.compare_operator(
             opinfo_name, world_size=2, max_samples=max_samples, incorrect_only=True, dtype=torch.float64,
             allow_composite=allow_composite,
         )

@@ -1,0 +1,36 @@
+"""`python -m dtensor_ext validate`: torch's strategy validator over the OpInfos that reach our rules and fixes."""
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from dtensor_ext.__main__ import main
+from dtensor_ext.rule_validation import opinfos_reaching_our_ops, validate
+from dtensor_ext.torch_fixes import replace_rule
+
+aten = torch.ops.aten
+
+
+def test_only_opinfos_reaching_our_ops_are_selected():
+    reached = opinfos_reaching_our_ops(["mv", "add", "nn.functional.conv1d"])
+    assert reached == {"mv": ["aten::mv.default"], "nn.functional.conv1d": ["aten::convolution.default"]}
+
+
+def test_our_mv_rule_is_confirmed_and_a_wrong_one_is_reported_as_ours():
+    right = validate("mv", ["aten::mv.default"], max_samples=2)
+    assert right.confirmed > 0 and right.incorrect_ours == [] and right.incorrect_torch == []
+
+    def wrong_rule(op, args_meta, kwargs_meta):  # claims the contracted dim sharding gives a row-sharded output
+        return [[Shard(0), Shard(1), Shard(0)], [Replicate(), Replicate(), Replicate()]]
+
+    undo = replace_rule(aten.mv.default, wrong_rule)
+    try:
+        wrong = validate("mv", ["aten::mv.default"], max_samples=2)
+    finally:
+        undo()
+    assert wrong.incorrect_ours and all(line.startswith("aten.mv.default") for line in wrong.incorrect_ours)
+
+
+def test_cli_exit_status(capsys):
+    assert main(["validate", "--ops", "mv,addr", "--max-samples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 OpInfos reach our rules or fixes; incorrect rules: ours 0" in out
