@@ -621,3 +621,24 @@ def outside_dispatch_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def dispatch_redistributor() -> Callable:
+    """The function DTensor's dispatcher calls to move one local input to the layout a strategy asks for."""
+    from torch.distributed.tensor import _dispatch
+
+    return _dispatch.redistribute_local_tensor
+
+
+def set_dispatch_redistributor(redistribute: Callable) -> None:
+    from torch.distributed.tensor import _dispatch
+
+    _dispatch.redistribute_local_tensor = redistribute
+
+
+def shard_to_partial_refused() -> bool:
+    """Whether torch's local redistribution refuses Shard -> Partial (it raises "not supported yet" in its source)."""
+    from torch.distributed.tensor import _redistribute
+
+    source = inspect.getsource(_redistribute.redistribute_local_tensor)
+    return "not supported yet" in source

@@ -1,0 +1,72 @@
+"""Shard -> Partial moves asked for by a strategy run as Shard -> Replicate -> Partial."""
+
+import itertools
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import dtensor_ext
+from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+
+
+def _values(t) -> list[torch.Tensor]:
+    return list(local_values(t.full_tensor()).values())
+
+
+@pytest.mark.parametrize("operand", [[Shard(0), Shard(0)], [Shard(0), Replicate()]], ids=str)
+def test_in_place_add_to_a_partial_with_a_sharded_operand(fix_state, operand):
+    torch.manual_seed(0)
+    x, y = torch.randn(5), torch.randn(5)
+    with simulated_mesh((2, 2)) as mesh:
+        target = place_dtensor(x, mesh, [Partial(), Shard(0)])
+        other = place_dtensor(y, mesh, operand)
+        if fix_state == "torch only":
+            with pytest.raises(RuntimeError, match="to P\\(sum\\) not supported yet"):
+                target.add_(other)
+            return
+        target.add_(other)
+        assert target.placements == (Partial(), Shard(0))
+        assert all(torch.allclose(v, x + y, atol=1e-5) for v in _values(target))
+
+
+def test_poisson_nll_loss_on_crosswise_layouts(fix_state):
+    torch.manual_seed(0)
+    x, t = torch.randn(5), torch.rand(5)
+    expected = torch.nn.functional.poisson_nll_loss(x, t, full=True, reduction="none")
+    with simulated_mesh((2, 2)) as mesh:
+        args = place_dtensor(x, mesh, [Partial(), Shard(0)]), place_dtensor(t, mesh, [Shard(0), Shard(0)])
+        if fix_state == "torch only":
+            with pytest.raises(RuntimeError, match="not supported yet"):
+                torch.nn.functional.poisson_nll_loss(*args, full=True, reduction="none")
+            return
+        out = torch.nn.functional.poisson_nll_loss(*args, full=True, reduction="none")
+        assert all(torch.allclose(v, expected, atol=1e-5) for v in _values(out))
+
+
+def test_moves_torch_makes_are_unchanged():
+    """In-place adds over a fixed sample of layouts torch can run: same placement and collectives with the fix."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 3), torch.randn(5, 3)
+    choices = [Replicate(), Shard(0), Shard(1), Partial()]
+    layouts = list(itertools.product(itertools.product(choices, repeat=2), repeat=2))[::5]
+    results = {}
+    for fix in (False, True):
+        dtensor_ext.install(fix_torch=fix)
+        with simulated_mesh((2, 2)) as mesh:
+            for pa, pb in layouts:
+                target, other = place_dtensor(x, mesh, list(pa)), place_dtensor(y, mesh, list(pb))
+                try:
+                    with CommDebugMode() as comms:
+                        target.add_(other)
+                except (RuntimeError, AttributeError):
+                    results[fix, pa, pb] = None
+                    continue
+                assert all(torch.allclose(v, x + y, atol=1e-4) for v in _values(target)), (pa, pb, fix)
+                results[fix, pa, pb] = (target.placements, comms.get_comm_counts())
+    dtensor_ext.install()
+    ran = [(pa, pb) for pa, pb in layouts if results[False, pa, pb] is not None]
+    assert len(ran) > 20
+    for pa, pb in ran:
+        assert results[True, pa, pb] == results[False, pa, pb], (pa, pb)
