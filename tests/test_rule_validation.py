@@ -17,7 +17,7 @@ def test_only_opinfos_reaching_our_ops_are_selected():
 
 def test_our_mv_rule_is_confirmed_and_a_wrong_one_is_reported_as_ours():
     right = validate("mv", ["aten::mv.default"], max_samples=2)
-    assert right.confirmed > 0 and right.incorrect_ours == [] and right.incorrect_torch == []
+    assert right.confirmed > 0 and right.incorrect_ours == right.incorrect_fixed == right.incorrect_torch == []
 
     def wrong_rule(op, args_meta, kwargs_meta):  # claims the contracted dim sharding gives a row-sharded output
         return [[Shard(0), Shard(1), Shard(0)], [Replicate(), Replicate(), Replicate()]]
@@ -33,4 +33,10 @@ def test_our_mv_rule_is_confirmed_and_a_wrong_one_is_reported_as_ours():
 def test_cli_exit_status(capsys):
     assert main(["validate", "--ops", "mv,addr", "--max-samples", "1"]) == 0
     out = capsys.readouterr().out
-    assert "2 OpInfos reach our rules or fixes; incorrect rules: ours 0" in out
+    assert "2 OpInfos reach our rules or fixes; incorrect verdicts: ours 0," in out
+
+
+def test_in_place_verdicts_are_kept_apart():
+    """The validator flags even Replicate -> Replicate of a same-shape resize_as_ (our rule, proven by the checker)."""
+    result = validate("resize_as_", ["aten::resize_as_.default"], max_samples=1)
+    assert result.incorrect_ours == [] and result.in_place

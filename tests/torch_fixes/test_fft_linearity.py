@@ -1,0 +1,48 @@
+"""FFTs pass Partial(sum/avg) through but not Partial(max/min)."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import dtensor_ext
+from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+
+
+def _values(t) -> list[torch.Tensor]:
+    return list(local_values(t.full_tensor()).values())
+
+
+@pytest.mark.parametrize("reduce_op", ["max", "min"])
+def test_rfft_of_a_partial_max(fix_state, reduce_op):
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    with simulated_mesh((2,)) as mesh:
+        out = torch.fft.rfft(place_dtensor(x, mesh, [Partial(reduce_op)]))
+        if fix_state == "torch only":
+            assert out.placements == (Partial(reduce_op),)  # claimed; reducing a complex max then fails
+            with pytest.raises(RuntimeError, match="does not support complex"):
+                out.full_tensor()
+            return
+        assert out.placements == (Replicate(),)
+        assert all(torch.allclose(v, torch.fft.rfft(x), atol=1e-4) for v in _values(out))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["1d2", "2x2"])
+@pytest.mark.parametrize("placement", [Partial("sum"), Partial("avg"), Shard(0), Replicate()], ids=str)
+def test_linear_layouts_are_unchanged(mesh_shape, placement):
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    c = torch.fft.fft(x)
+    results = []
+    for fix in (False, True):
+        dtensor_ext.install(fix_torch=fix)
+        with simulated_mesh(mesh_shape) as mesh:
+            with CommDebugMode() as comms:
+                forward = torch.fft.rfft(place_dtensor(x, mesh, [placement] * len(mesh_shape)))
+                inverse = torch.fft.ifft(place_dtensor(c, mesh, [placement] * len(mesh_shape)))
+            results.append((forward.placements, inverse.placements, comms.get_comm_counts()))
+            assert all(torch.allclose(v, torch.fft.rfft(x), atol=1e-4) for v in _values(forward))
+            assert all(torch.allclose(v, torch.fft.ifft(c), atol=1e-4) for v in _values(inverse))
+    dtensor_ext.install()
+    assert results[0] == results[1]
