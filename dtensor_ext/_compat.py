@@ -642,3 +642,8 @@ def shard_to_partial_refused() -> bool:
 
     source = inspect.getsource(_redistribute.redistribute_local_tensor)
     return "not supported yet" in source
+
+
+def shard_to_partial_sum_supported() -> bool:
+    """Whether torch turns a Shard into Partial(sum) locally itself (2.14+: zeros outside each rank's shard)."""
+    return hasattr(Shard, "_to_partial_tensor")
