@@ -8,6 +8,7 @@ alone: CI runs 2.13, the GPU machine 2.11, and 2.12-2.15 must keep working.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import itertools
@@ -647,3 +648,11 @@ def shard_to_partial_refused() -> bool:
 def shard_to_partial_sum_supported() -> bool:
     """Whether torch turns a Shard into Partial(sum) locally itself (2.14+: zeros outside each rank's shard)."""
     return hasattr(Shard, "_to_partial_tensor")
+
+
+def wrap_single_dim_func(op: OpOverload, wrap: Callable[[Callable], Callable]) -> None:
+    """Make `wrap(torch's rule)` the single-dim rule of `op`, keeping everything torch registered along with it
+    (its uneven/unbacked sharding flags; the schema info sits in its own table and is not touched)."""
+    table = propagator().op_single_dim_strategy_funcs
+    info = table[op]
+    table[op] = dataclasses.replace(info, func=wrap(info.func)) if dataclasses.is_dataclass(info) else wrap(info)

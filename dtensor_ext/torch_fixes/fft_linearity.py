@@ -14,7 +14,8 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Partial
-from dtensor_ext.torch_fixes import replace_rule, torch_fix, undo_all
+from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules
 
 aten = torch.ops.aten
 
@@ -52,8 +53,4 @@ def fix_fft_partials():
     faulty = [op for op in ffts if _compat.torch_strategy_kind(op) == "single_dim" and _offers_max(op)]
     if not faulty:
         return None
-    undos = []
-    for op in faulty:
-        schema_info = _compat.snapshot_registration(op).get("op_to_schema_info_for_single_dim_strategy")
-        undos.append(replace_rule(op, _without_max_min(_compat.single_dim_func(op)), schema_info=schema_info))
-    return undo_all(undos)
+    return wrap_single_dim_rules(faulty, _without_max_min)

@@ -14,7 +14,8 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Partial, Replicate
-from dtensor_ext.torch_fixes import replace_rule, torch_fix, undo_all
+from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules
 
 aten = torch.ops.aten
 
@@ -50,8 +51,4 @@ def fix_inplace_shift():
     faulty = [op for op in shifts if _lacks_shift_safe_partials(op)]
     if not faulty:
         return None
-    undos = []
-    for op in faulty:
-        schema_info = _compat.snapshot_registration(op).get("op_to_schema_info_for_single_dim_strategy")
-        undos.append(replace_rule(op, _with_shift_safe_partials(_compat.single_dim_func(op)), schema_info=schema_info))
-    return undo_all(undos)
+    return wrap_single_dim_rules(faulty, _with_shift_safe_partials)

@@ -14,8 +14,8 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSpec, OpStrategy, Replicate
-from dtensor_ext.torch_fixes import replace_rule, torch_fix
-from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
+from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -39,12 +39,9 @@ def _single_dim(torch_rule):
 
 def _replicated_scalar(input_strategy):
     """logsumexp of a 0-d tensor is the tensor itself; 2.13's rule raises on it. Replicate is always right."""
-    specs = []
-    for source in input_strategy.strategies:
-        target = DTensorSpec(source.output_spec.mesh, (Replicate(),) * source.output_spec.mesh.ndim,
-                             tensor_meta=source.output_spec.tensor_meta)
-        specs.append(OpSpec(target, [target], redistribute_cost=[_compat.redistribute_costs(input_strategy, target)]))
-    return OpStrategy(specs[:1])
+    source = input_strategy.strategies[0].output_spec
+    target = DTensorSpec(source.mesh, (Replicate(),) * source.mesh.ndim, tensor_meta=source.tensor_meta)
+    return OpStrategy([OpSpec(target, [target], redistribute_cost=[_compat.redistribute_costs(input_strategy, target)])])
 
 
 def _op_strategy(torch_strategy):
@@ -66,8 +63,6 @@ def fix_logsumexp_keepdim():
     op = aten.logsumexp.default
     if not _reads_keepdim_from_kwargs_only(_compat.torch_strategy_source(op)):
         return None
-    torch_rule = _compat.single_dim_func(op)
-    if torch_rule is not None:
-        schema_info = _compat.snapshot_registration(op).get("op_to_schema_info_for_single_dim_strategy")
-        return replace_rule(op, _single_dim(torch_rule), schema_info=schema_info)
+    if _compat.torch_strategy_kind(op) == "single_dim":
+        return wrap_single_dim_rules([op], _single_dim)
     return wrap_strategies([op], _op_strategy)

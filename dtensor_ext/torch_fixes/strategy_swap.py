@@ -1,4 +1,4 @@
-"""Swapping torch's op_strategy registrations with an exact undo, for fixes that wrap or replace them."""
+"""Wrapping torch's strategy registrations (op_strategy functions, single-dim rules) with an exact undo."""
 
 from __future__ import annotations
 
@@ -19,4 +19,13 @@ def wrap_strategies(
         entry = _compat.snapshot_registration(strategy_of(op) if strategy_of else op)
         undos.append(restorer(op))
         _compat.register_op_strategy(op, wrap(entry["op_strategy_funcs"]), schema_info=entry.get("op_to_schema_info"))
+    return undo_all(undos)
+
+
+def wrap_single_dim_rules(ops: Iterable[OpOverload], wrap: Callable[[Callable], Callable]) -> Undo:
+    """Make `wrap(torch's single-dim rule)` each op's rule; torch's flags and schema info for it stay as they are."""
+    undos = []
+    for op in ops:
+        undos.append(restorer(op))
+        _compat.wrap_single_dim_func(op, wrap)
     return undo_all(undos)

@@ -46,3 +46,20 @@ def test_linear_layouts_are_unchanged(mesh_shape, placement):
             assert all(torch.allclose(v, torch.fft.ifft(c), atol=1e-4) for v in _values(inverse))
     dtensor_ext.install()
     assert results[0] == results[1]
+
+
+def _rule_record(op):
+    """torch's record for the op's single-dim rule (behind empty_shards' filter where that fix wraps it)."""
+    prop = dtensor_ext._compat.propagator()
+    return getattr(prop.op_strategy_funcs.get(op), "single_dim_info", None) or prop.op_single_dim_strategy_funcs[op]
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten._fft_r2c.default, torch.ops.aten._fft_c2c.default], ids=str)
+def test_the_fix_keeps_torchs_sharding_flags(op):
+    """Only the rows change: torch registers the FFTs with allow_uneven_sharding=False, and so must the fix."""
+    dtensor_ext.install(fix_torch=False)
+    torch_record = _rule_record(op)
+    dtensor_ext.install()
+    fixed_record = _rule_record(op)
+    assert fixed_record.func is not torch_record.func
+    assert fixed_record.allow_uneven_sharding == torch_record.allow_uneven_sharding is False
