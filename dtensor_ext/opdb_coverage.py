@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
+from dtensor_ext._compat import pytree
 
 import dtensor_ext
 from dtensor_ext import _compat

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from dtensor_ext._compat import pytree
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import OpOverload, Partial, Placement, Replicate, Shard

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import dtensor_ext  # noqa: F401  (installs the rules)
-from dtensor_ext._compat import is_placeholder, tensor_meta
+from dtensor_ext._compat import compare_operator, is_placeholder, tensor_meta
 from dtensor_ext.rules.matmul import addmv_rule
 from dtensor_ext.testing import check_rule, place_dtensor, sample_tensor
 from dtensor_ext.testing.strategies import dims
@@ -98,9 +98,7 @@ OPINFO_NAMES = ["mv", "addmv", "addr", "vdot", "addbmm"]
 @pytest.mark.parametrize("name", OPINFO_NAMES)
 def test_torch_strategy_validation_finds_nothing_incorrect(name, mesh_1d2):
     """torch's own validator, an independent oracle. float64: its fixed 1e-5 tolerance trips on float32 rounding."""
-    from torch.distributed.tensor._ops import strategy_validation
-
-    stats = strategy_validation.compare_operator(
+    stats = compare_operator(
         name, world_size=2, max_samples=4, incorrect_only=True, dtype=torch.float64
     )
     assert stats.true_positives > 0
