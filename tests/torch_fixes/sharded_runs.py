@@ -10,9 +10,9 @@ import dtensor_ext
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 
 
-def agrees(t, expected) -> bool:
+def agrees(t, expected, atol: float = 1e-5) -> bool:
     """Every rank's copy of the gathered DTensor `t` equals the single-device `expected`."""
-    return all(torch.allclose(v, expected, atol=1e-5) for v in local_values(t.full_tensor()).values())
+    return all(torch.allclose(v, expected, atol=atol) for v in local_values(t.full_tensor()).values())
 
 
 def layouts(t: torch.Tensor, mesh_ndim: int) -> list[tuple]:
@@ -57,3 +57,28 @@ def fix_status(op_name: str) -> str:
     statuses = {e.status for e in dtensor_ext.registry() if e.family == "torch fix" and e.op == op_name}
     assert len(statuses) == 1, f"{op_name}: expected one torch fix entry, got {statuses}"
     return statuses.pop()
+
+
+def pair_runs_without_and_with_fixes(run, a: torch.Tensor, b: torch.Tensor, layout_pairs, mesh_shape,
+                                     expected: torch.Tensor, atol: float = 1e-4) -> dict[tuple, tuple | None]:
+    """(fix_torch, layout of a, layout of b) -> (output placements, collective counts), or None where `run`
+    raised (AttributeError: LocalTensor on some empty-shard moves); every run that completes must give the
+    single-device `expected` (asserted). Ends installed."""
+    results = {}
+    try:
+        for fix in (False, True):
+            dtensor_ext.install(fix_torch=fix)
+            with simulated_mesh(mesh_shape) as mesh:
+                for pa, pb in layout_pairs:
+                    x, y = place_dtensor(a, mesh, list(pa)), place_dtensor(b, mesh, list(pb))
+                    try:
+                        with CommDebugMode() as comms:
+                            out = run(x, y)
+                    except (RuntimeError, AttributeError):
+                        results[fix, pa, pb] = None
+                        continue
+                    assert agrees(out, expected, atol=atol), (pa, pb, fix)
+                    results[fix, pa, pb] = (out.placements, comms.get_comm_counts())
+    finally:
+        dtensor_ext.install()
+    return results

@@ -5,11 +5,10 @@ import itertools
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
 
-import dtensor_ext
 from dtensor_ext._compat import TORCH_VERSION
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+from tests.torch_fixes.sharded_runs import pair_runs_without_and_with_fixes
 
 CROSSWISE = [[Shard(0), Partial()], [Partial(), Shard(0)], [Shard(0), Partial()]]
 
@@ -64,21 +63,7 @@ def test_every_choice_torch_can_carry_out_is_unchanged(op):
     expected = run(a, b)
     layouts = list(itertools.product(PLACEMENTS, repeat=2))
     pairs = list(itertools.product(layouts, layouts))[::3]  # a fixed third of the 256 pairs keeps this fast
-    results = {}
-    for fix in (False, True):
-        dtensor_ext.install(fix_torch=fix)
-        with simulated_mesh((2, 2)) as mesh:
-            for pa, pb in pairs:
-                x, y = place_dtensor(a, mesh, list(pa)), place_dtensor(b, mesh, list(pb))
-                try:
-                    with CommDebugMode() as comms:
-                        out = run(x, y)
-                except (RuntimeError, AttributeError):  # the latter: LocalTensor on some empty-shard moves
-                    results[fix, pa, pb] = None
-                    continue
-                assert all(torch.allclose(v, expected, atol=1e-4) for v in _values(out)), (pa, pb, fix)
-                results[fix, pa, pb] = (out.placements, comms.get_comm_counts())
-    dtensor_ext.install()
+    results = pair_runs_without_and_with_fixes(run, a, b, pairs, (2, 2), expected)
     ran_in_torch = [(pa, pb) for pa, pb in pairs if results[False, pa, pb] is not None]
     assert len(ran_in_torch) > 60
     for pa, pb in ran_in_torch:

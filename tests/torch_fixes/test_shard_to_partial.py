@@ -5,11 +5,10 @@ import itertools
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
 
-import dtensor_ext
 from dtensor_ext._compat import shard_to_partial_sum_supported
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+from tests.torch_fixes.sharded_runs import pair_runs_without_and_with_fixes
 
 
 def _values(t) -> list[torch.Tensor]:
@@ -52,21 +51,11 @@ def test_moves_torch_makes_are_unchanged():
     x, y = torch.randn(5, 3), torch.randn(5, 3)
     choices = [Replicate(), Shard(0), Shard(1), Partial()]
     layouts = list(itertools.product(itertools.product(choices, repeat=2), repeat=2))[::5]
-    results = {}
-    for fix in (False, True):
-        dtensor_ext.install(fix_torch=fix)
-        with simulated_mesh((2, 2)) as mesh:
-            for pa, pb in layouts:
-                target, other = place_dtensor(x, mesh, list(pa)), place_dtensor(y, mesh, list(pb))
-                try:
-                    with CommDebugMode() as comms:
-                        target.add_(other)
-                except (RuntimeError, AttributeError):
-                    results[fix, pa, pb] = None
-                    continue
-                assert all(torch.allclose(v, x + y, atol=1e-4) for v in _values(target)), (pa, pb, fix)
-                results[fix, pa, pb] = (target.placements, comms.get_comm_counts())
-    dtensor_ext.install()
+
+    def add_in_place(target, other):
+        return target.add_(other)
+
+    results = pair_runs_without_and_with_fixes(add_in_place, x, y, layouts, (2, 2), x + y)
     ran = [(pa, pb) for pa, pb in layouts if results[False, pa, pb] is not None]
     assert len(ran) > 20
     for pa, pb in ran:
