@@ -656,3 +656,14 @@ def wrap_single_dim_func(op: OpOverload, wrap: Callable[[Callable], Callable]) -
     table = propagator().op_single_dim_strategy_funcs
     info = table[op]
     table[op] = dataclasses.replace(info, func=wrap(info.func)) if dataclasses.is_dataclass(info) else wrap(info)
+
+
+def inplace_placement_refusal() -> bool:
+    """Whether torch's N-D expansion drops every candidate that would move the input of an in-place op onto a
+    layout with an empty shard, and then refuses the op (2.13: "in-place operations that require placement
+    changes")."""
+    from torch.distributed.tensor._ops import utils
+
+    return "in-place operations that require placement changes" in inspect.getsource(
+        utils.expand_to_full_mesh_op_strategy
+    )

@@ -15,7 +15,7 @@ import torch
 import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext.__main__ import main
-from dtensor_ext._compat import Partial, Replicate, Shard
+from dtensor_ext._compat import Partial, Replicate, Shard, TorchDispatchMode
 from dtensor_ext.opdb_coverage import (
     Options, _in_child_process, _place_exactly, excluded_reason, format_report, measure,
 )
@@ -113,6 +113,33 @@ def test_excluded_classes_are_listed_and_not_run():
     assert result["excluded"] == {"nonzero": "data-dependent output shape"}
     assert result["ops_measured"] == 1
     assert sum(result["skipped_samples"].values()) > 0  # samples past the cap are counted, not dropped
+
+
+def test_exclusions_by_name_rest_on_torch_facts():
+    """Ops excluded by name beyond the obvious ones: torch itself says their output shape is data-dependent, or
+    they draw random numbers, or they call as_strided."""
+    import inspect
+
+    from torch import _lowrank
+
+    aten = torch.ops.aten
+    for label, op in [("linalg.lstsq", aten.linalg_lstsq.default), ("nn.functional.ctc_loss", aten._ctc_loss.default)]:
+        assert excluded_reason(label) == "data-dependent output shape"
+        assert torch.Tag.dynamic_output_shape in op.tags, op
+    for label in ("svd_lowrank", "pca_lowrank"):
+        assert excluded_reason(label) == "random"
+    assert "torch.randn" in inspect.getsource(_lowrank.get_approximate_basis)
+    assert excluded_reason("stft") == "as_strided"
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.stft(torch.randn(64), 16, window=torch.ones(16), return_complex=True)
+    assert aten.as_strided.default in calls
 
 
 def test_json_output_has_the_documented_fields():

@@ -28,6 +28,7 @@ from dtensor_ext._compat import pytree
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
 from dtensor_ext.torch_fixes import Undo, restorer, torch_fix, undo_all
+from dtensor_ext.torch_fixes.strategy_swap import expand_single_dim, single_dim_as_op_strategy
 
 aten = torch.ops.aten
 
@@ -210,21 +211,14 @@ def runnable_single_dim(info: object, guarded_dims: GuardedDims) -> Callable:
     def strategy(op_schema: OpSchema) -> OpStrategy:
         if any(len(s.strategies) != 1 for s in op_schema.args_strategy):
             return _queried_without_a_layout(op_schema)
-        mesh = op_schema.args_strategy[0].mesh
-        output_meta = _compat.output_tensor_meta(op_schema)
-
-        def expanded_by(expand: Callable) -> OpStrategy:
-            return expand(mesh, op_schema, info, output_meta)(op_schema.op, op_schema.args_meta,
-                                                               op_schema.kwargs_meta)
-
         expand = _compat.single_dim_expansion()
-        offered = expanded_by(expand)
+        offered = expand_single_dim(info, op_schema, expand)
         dims = guarded_dims(op_schema)
         runnable = _runnable(offered, dims)
         if len(runnable.strategies) == len(offered.strategies):
             return offered
         if not runnable.strategies and expand is not _compat.full_single_dim_expansion:
-            runnable = _runnable(expanded_by(_compat.full_single_dim_expansion), dims)
+            runnable = _runnable(expand_single_dim(info, op_schema, _compat.full_single_dim_expansion), dims)
         return runnable
 
     def _queried_without_a_layout(op_schema: OpSchema) -> OpStrategy:
@@ -247,7 +241,6 @@ def runnable_single_dim(info: object, guarded_dims: GuardedDims) -> Callable:
             for spec in offered.strategies
         ])
 
-    strategy.single_dim_info = info  # torch's rule stays discoverable (`_compat.single_dim_func`)
     return strategy
 
 
@@ -274,18 +267,19 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
         _compat.set_custom_op_handler(op, unstarving_handler(handler, kernel.guarded_dims))
         return lambda: _compat.set_custom_op_handler(op, handler)
     snapshot = _compat.snapshot_registration(op)
-    undo = restorer(op)
     kind = _compat.torch_strategy_kind(op)
     if kind == "single_dim":
-        schema_info = snapshot.get("op_to_schema_info_for_single_dim_strategy")
-        strategy = runnable_single_dim(snapshot["op_single_dim_strategy_funcs"], kernel.guarded_dims)
-    elif kind == "op_strategy":
-        schema_info = snapshot.get("op_to_schema_info")
-        strategy = runnable_op_strategy(snapshot["op_strategy_funcs"], kernel.guarded_dims)
-    else:
+        return single_dim_as_op_strategy(
+            op, runnable_single_dim(snapshot["op_single_dim_strategy_funcs"], kernel.guarded_dims)
+        )
+    if kind != "op_strategy":
         return None  # torch does not shard the op itself: nothing of torch's to steer
+    undo = restorer(op)
     _compat.restore_registration(op, {})
-    _compat.register_op_strategy(op, strategy, schema_info=schema_info)
+    _compat.register_op_strategy(
+        op, runnable_op_strategy(snapshot["op_strategy_funcs"], kernel.guarded_dims),
+        schema_info=snapshot.get("op_to_schema_info"),
+    )
     return undo
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import OpOverload
+from dtensor_ext._compat import OpOverload, OpSchema, OpStrategy
 from dtensor_ext.torch_fixes import Undo, restorer, undo_all
 
 
@@ -29,3 +29,25 @@ def wrap_single_dim_rules(ops: Iterable[OpOverload], wrap: Callable[[Callable], 
         undos.append(restorer(op))
         _compat.wrap_single_dim_func(op, wrap)
     return undo_all(undos)
+
+
+def expand_single_dim(info: object, op_schema: OpSchema, expand: Callable | None = None) -> OpStrategy:
+    """The single-dim rule `info` (torch's registration record) expanded over the mesh of `op_schema`, by
+    `expand` or else the expansion the propagator uses now (fast propagation swaps it)."""
+    expand = expand or _compat.single_dim_expansion()
+    mesh = op_schema.args_strategy[0].mesh
+    output_meta = _compat.output_tensor_meta(op_schema)
+    return expand(mesh, op_schema, info, output_meta)(op_schema.op, op_schema.args_meta, op_schema.kwargs_meta)
+
+
+def single_dim_as_op_strategy(op: OpOverload, strategy: Callable[[OpSchema], OpStrategy]) -> Undo:
+    """Make `strategy` (which expands torch's single-dim rule itself, see `expand_single_dim`) the op_strategy
+    function of `op` in place of that rule, with torch's schema info; the undo puts torch's registration back."""
+    snapshot = _compat.snapshot_registration(op)
+    undo = restorer(op)
+    strategy.single_dim_info = snapshot["op_single_dim_strategy_funcs"]  # stays discoverable: _compat.single_dim_func
+    _compat.restore_registration(op, {})
+    _compat.register_op_strategy(
+        op, strategy, schema_info=snapshot.get("op_to_schema_info_for_single_dim_strategy")
+    )
+    return undo

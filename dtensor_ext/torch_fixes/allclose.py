@@ -1,0 +1,41 @@
+"""`torch.allclose` of DTensors: answered from the shards by `isclose(...).all()`, one scalar all-reduce.
+
+`aten.allclose` returns a Python bool read off the data. torch 2.13 has no strategy for it, so DTensor's
+decomposition fallback runs it on fake tensors, which cannot produce data ("DataDependentOutputException"): every
+call fails, even on replicated inputs. `allclose(a, b)` is by definition `isclose(a, b).all()` (torch's own kernel
+computes it that way), and both pieces shard: `isclose` is pointwise, `all` reduces the shards' answers. Only
+that boolean crosses ranks; the inputs are never gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtensor_ext import _compat
+from dtensor_ext.torch_fixes import torch_fix
+
+aten = torch.ops.aten
+
+
+def _allclose(op_call, args, kwargs):
+    bound = op_call._schema.arguments
+    values = {a.name: a.default_value for a in bound if a.has_default_value()}
+    values.update(zip((a.name for a in bound), args))
+    values.update(kwargs)
+    close = torch.isclose(values["self"], values["other"], rtol=values["rtol"], atol=values["atol"],
+                          equal_nan=values["equal_nan"])
+    return bool(close.all().full_tensor().item())
+
+
+@torch_fix(
+    "allclose has no strategy",
+    ops=("aten::allclose.default",),
+    why="torch.allclose of DTensors fails on every layout: the decomposition fallback cannot produce a bool from "
+    "fake tensors",
+)
+def fix_allclose():
+    op = aten.allclose.default
+    if _compat.custom_op_handler(op) is not None or _compat.torch_strategy_kind(op) in _compat.DIRECT_STRATEGY_KINDS:
+        return None  # this torch answers allclose itself
+    _compat.set_custom_op_handler(op, _allclose)
+    return lambda: _compat.set_custom_op_handler(op, None)
