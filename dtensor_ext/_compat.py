@@ -667,3 +667,10 @@ def inplace_placement_refusal() -> bool:
     return "in-place operations that require placement changes" in inspect.getsource(
         utils.expand_to_full_mesh_op_strategy
     )
+
+
+def local_tensor_module():
+    """torch's LocalTensor implementation module, for the simulated mesh's corrections of its rank combining."""
+    from torch.distributed import _local_tensor
+
+    return _local_tensor

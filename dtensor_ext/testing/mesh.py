@@ -55,7 +55,7 @@ def simulated_mesh(
         raise ValueError(f"mesh_dim_names {tuple(mesh_dim_names)} must name each of the {len(dims)} mesh dims")
     world = math.prod(dims)
     _ensure_fake_world(world)
-    with LocalTensorMode(frozenset(range(world))), _masks_applied_per_rank():
+    with LocalTensorMode(frozenset(range(world))), _masks_applied_per_rank(), _conjugation_resolved_across_ranks():
         yield init_device_mesh(
             device_type, dims, mesh_dim_names=tuple(mesh_dim_names) if mesh_dim_names else None
         )
@@ -87,6 +87,33 @@ def _masks_applied_per_rank() -> Iterator[None]:
         yield
     finally:
         mask_buffer.apply_mask = apply_mask
+
+
+@contextlib.contextmanager
+def _conjugation_resolved_across_ranks() -> Iterator[None]:
+    """Let simulated ranks' results differ in their lazy conjugate/negative bits, as real ranks may.
+
+    An op applied per rank can return a lazily conjugated tensor on some ranks and a materialised one on others
+    (a Shard's all-gather pads the shorter pieces of an FFT result, copying only them); LocalTensor then refuses
+    to combine the pieces ("must have the same set of extra dispatch keys"). Each real rank holds its own tensor,
+    so there the difference is invisible: the pieces are resolved to plain values before combining.
+    """
+    module = _compat.local_tensor_module()
+    combine = module._combine_any_rank_results
+
+    def combine_resolved(rank_results):
+        values = list(rank_results.values())
+        if all(isinstance(v, torch.Tensor) for v in values) and (
+            len({v.is_conj() for v in values}) > 1 or len({v.is_neg() for v in values}) > 1
+        ):
+            rank_results = {r: v.resolve_conj().resolve_neg() for r, v in rank_results.items()}
+        return combine(rank_results)
+
+    module._combine_any_rank_results = combine_resolved
+    try:
+        yield
+    finally:
+        module._combine_any_rank_results = combine
 
 
 def active_mode() -> LocalTensorMode:

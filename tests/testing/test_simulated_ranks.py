@@ -1,0 +1,40 @@
+"""Simulated ranks behave as real ones: a _MaskPartial's rows zeroed once per rank (0-d embedding indices), and
+pieces that differ only in lazy conjugation combined."""
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+from dtensor_ext import _compat
+from dtensor_ext.testing import local_values, place_dtensor, sample_tensor, simulated_mesh
+
+
+def test_embedding_of_a_0d_index_on_a_vocab_sharded_weight_gives_the_row_on_every_rank():
+    weight = sample_tensor((10, 5))
+    indices = [torch.tensor(i) for i in (0, 3, 9)]  # rows owned by the first, second and last rank
+    with simulated_mesh((4,)) as mesh:
+        dweight = distribute_tensor(weight, mesh, [Shard(0)])
+        for index in indices:
+            out = F.embedding(distribute_tensor(index, mesh, [Replicate()]), dweight)
+            torch.testing.assert_close(out.full_tensor(), weight[index])
+
+
+def test_torch_masking_is_back_after_the_mesh():
+    mask_buffer = _compat.mask_buffer_type()
+    before = mask_buffer.apply_mask
+    with simulated_mesh((2,)):
+        assert mask_buffer.apply_mask is not before
+    assert mask_buffer.apply_mask is before
+
+
+def test_ranks_may_differ_in_lazy_conjugation():
+    """ifft of a real input returns lazily conjugated pieces; gathering a 2x2 (Partial, Shard(2)) result pads the
+    shorter pieces (materialising them) and keeps the others lazy, which LocalTensor alone refuses to combine."""
+    x = sample_tensor((5, 6, 7))
+    expected = torch.fft.ifft(x, n=10, dim=1, norm="ortho")
+    with simulated_mesh((2, 2)) as mesh:
+        out = torch.fft.ifft(place_dtensor(x, mesh, [Partial(), Shard(2)]), n=10, dim=1, norm="ortho")
+        assert all(v.is_conj() for v in local_values(out).values())
+        gathered = out.full_tensor()
+    for value in local_values(gathered).values():
+        torch.testing.assert_close(value, expected)
