@@ -74,6 +74,13 @@ EXCLUDED: dict[str, str] = {
     **dict.fromkeys(["as_strided", "as_strided_copy", "as_strided_scatter", "as_strided.*", "stft"], "as_strided"),
 }
 
+# Samples (not whole ops) in an excluded class: OpInfo name -> (does this sample belong to it, why). They do not
+# count against --max-samples.
+EXCLUDED_SAMPLES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # split points given as a tensor: the pieces' shapes are read from its values (a list or an int is measured)
+    "tensor_split": (lambda sample: isinstance(sample.args[0], torch.Tensor), "data-dependent output shape"),
+}
+
 MESHES: dict[str, tuple[int, ...]] = {"1d4": (4,), "2x2": (2, 2)}
 MODES = ("without", "with")
 # Per-op status, worst first: an op is WRONG if any run was wrong, else failing by its worst failure.
@@ -189,8 +196,14 @@ def _cases(info, options: Options, skipped: Counter) -> list[_Case]:
     torch.manual_seed(zlib.crc32(label.encode()))
     cases = []
     samples = info.sample_inputs("cpu", torch.float32, requires_grad=False)
+    in_excluded_class, why = EXCLUDED_SAMPLES.get(label, (lambda sample: False, ""))
+    excluded = 0
     for index, sample in enumerate(samples):
-        if index >= options.max_samples:
+        if in_excluded_class(sample):
+            skipped[f"excluded: {why}"] += 1
+            excluded += 1
+            continue
+        if index - excluded >= options.max_samples:
             skipped["sample cap"] += 1 + sum(1 for _ in samples)
             break
         flat, spec = pytree.tree_flatten(((sample.input, tuple(sample.args)), dict(sample.kwargs)))

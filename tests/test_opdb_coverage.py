@@ -142,6 +142,13 @@ def test_exclusions_by_name_rest_on_torch_facts():
     assert aten.as_strided.default in calls
 
 
+def test_tensor_split_is_measured_on_its_samples_without_tensor_split_points():
+    result = measure(Options(ops=["tensor_split"], max_samples=2, max_shardings=2, meshes=ONE_D))
+    assert result["skipped_samples"]["excluded: data-dependent output shape"] > 0  # the tensor-index samples
+    assert result["samples_run"] == 2
+    assert _statuses(result, "1d4", "with") == {"tensor_split": "correct"}
+
+
 def test_json_output_has_the_documented_fields():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
