@@ -20,6 +20,7 @@ import fnmatch
 import itertools
 import json
 import math
+import operator
 import os
 import random
 import signal
@@ -191,6 +192,12 @@ def _same(a, b) -> bool:
     return True
 
 
+def _as_users_call_it(op: Callable) -> Callable:
+    """The `__getitem__` OpInfo calls `torch.Tensor.__getitem__`, which is what `x[index]` runs for a plain tensor;
+    for a DTensor, `x[index]` runs `type(x).__getitem__` (DTensor's own where a fix defines one)."""
+    return operator.getitem if op is torch.Tensor.__getitem__ else op
+
+
 def _cases(info, options: Options, skipped: Counter) -> list[_Case]:
     label = _op_label(info)
     torch.manual_seed(zlib.crc32(label.encode()))
@@ -214,7 +221,7 @@ def _cases(info, options: Options, skipped: Counter) -> list[_Case]:
         if any(flat[i].layout != torch.strided or flat[i].is_quantized for i in positions):
             skipped["non-strided tensor input"] += 1
             continue
-        case = _Case(label, index, info.op, flat, spec, positions, None, frozenset())
+        case = _Case(label, index, _as_users_call_it(info.op), flat, spec, positions, None, frozenset())
         recorder = _DispatchedOps()
         try:
             with recorder:

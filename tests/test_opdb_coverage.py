@@ -149,6 +149,14 @@ def test_tensor_split_is_measured_on_its_samples_without_tensor_split_points():
     assert _statuses(result, "1d4", "with") == {"tensor_split": "correct"}
 
 
+def test_getitem_is_measured_as_users_index():
+    """x[[1, 2]] runs DTensor's __getitem__ (a fix turns the list into a replicated index); calling the base
+    method torch.Tensor.__getitem__ directly, as the OpInfo's op would, skips it."""
+    result = measure(Options(ops=["__getitem__"], max_samples=1, max_shardings=4, meshes=ONE_D))
+    assert _statuses(result, "1d4", "with") == {"__getitem__": "correct"}
+    assert _statuses(result, "1d4", "without") == {"__getitem__": "error"}
+
+
 def test_json_output_has_the_documented_fields():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
