@@ -31,7 +31,9 @@ from torch.distributed.tensor._collective_utils import (  # noqa: F401  (re-expo
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy
 from torch.distributed.tensor._ops import single_dim_strategy as _sds
-from torch.distributed.tensor._ops.utils import is_tensor_shardable  # noqa: F401  (re-exported)
+from torch.distributed.tensor._ops.utils import (  # noqa: F401  (re-exported)
+    is_tensor_evenly_shardable, is_tensor_shardable,
+)
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -339,10 +341,36 @@ def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str
 
 
 def compare_operator(*args, **kwargs):
-    """torch's own strategy validator (2.12+): checks the rules DTensor holds for an OpInfo op on a fake group."""
+    """torch's own strategy validator (2.12+): checks the rules DTensor holds for an OpInfo op on a fake group.
+
+    A single-dim rule that a layout filter took over (an op_strategy function carrying `single_dim_info`: even
+    shards only, no empty shards a kernel rejects) is validated as the rule itself: the validator checks rules
+    row by row, and its op_strategy path cannot pass the filter a list of tensors (indices, tensor lists).
+    """
     from torch.distributed.tensor._ops.strategy_validation import compare_operator as validate
 
-    return validate(*args, **kwargs)
+    with _filtered_rules_as_rules():
+        return validate(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _filtered_rules_as_rules():
+    prop = propagator()
+    filtered = {op: f for op, f in prop.op_strategy_funcs.items() if getattr(f, "single_dim_info", None) is not None}
+    snapshots = {op: snapshot_registration(op) for op in filtered}
+    for op, strategy in filtered.items():
+        schema_info = prop.op_to_schema_info.get(op)
+        restore_registration(op, {})
+        prop.op_single_dim_strategy_funcs[op] = strategy.single_dim_info
+        if schema_info is not None:
+            prop.op_to_schema_info_for_single_dim_strategy[op] = schema_info
+    clear_sharding_caches()
+    try:
+        yield
+    finally:
+        for op, snapshot in snapshots.items():
+            restore_registration(op, snapshot)
+        clear_sharding_caches()
 
 
 # --- Expansion of single-dim rules to the N-D mesh (fast propagation swaps it) ---
@@ -674,3 +702,9 @@ def local_tensor_module():
     from torch.distributed import _local_tensor
 
     return _local_tensor
+
+
+def registered_strategy(op: OpOverload) -> object | None:
+    """What the propagator runs for `op`: its single-dim record, else its op_strategy function."""
+    prop = propagator()
+    return prop.op_single_dim_strategy_funcs.get(op) or prop.op_strategy_funcs.get(op)

@@ -84,6 +84,9 @@ def single_dim_rule(
 
     Ops may be given as strings ("aten::_scaled_grouped_mm_v2.default") so that a rule for an op that only newer
     torch has can be declared everywhere; on older torch it shows up as "absent".
+
+    allow_uneven_sharding=False: the rule only ever runs on evenly sharded inputs and outputs (no empty or
+    misaligned shard); DTensor replicates instead. torch's flag of that name alone admits 5 rows over 4 ranks.
     """
     op_list = [ops] if isinstance(ops, (OpOverload, str)) else list(ops)
 
@@ -179,7 +182,7 @@ def install(
                 variant_of=base.op_name if base else None,
             )
         )
-    ours = {op: prop.op_single_dim_strategy_funcs[op] for op in previous}
+    ours = {op: _compat.registered_strategy(op) for op in previous}
     undo_fixes = _apply_torch_fixes(entries) if fix_torch else []
     _state = _Installed(entries, previous, ours, _freeze(upgrade), fix_torch, undo_fixes)
     _compat.clear_sharding_caches()
@@ -201,10 +204,34 @@ def _install_spec(
     _compat.register_single_dim(
         op, spec.func, schema_info=spec.schema_info, allow_uneven_sharding=spec.allow_uneven_sharding
     )
+    if not spec.allow_uneven_sharding:
+        _keep_even_layouts_only(op)
     if spec.local_scalars is not None:
         _compat.register_scalar_adjuster(op, spec.local_scalars)
     status = "upgraded" if torch_kind in _compat.DIRECT_STRATEGY_KINDS else "added"
     return RegistryEntry(spec.op_name, spec.family, status, torch_kind, spec.where), op
+
+
+def _evenly_placed(op_schema: _compat.OpSchema) -> Callable[[_compat.OpSpec], bool]:
+    def even(spec: _compat.OpSpec) -> bool:
+        outputs = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        specs = [s for s in (*outputs, *(spec.input_specs or ())) if s is not None and s.tensor_meta is not None]
+        return all(_compat.is_tensor_evenly_shardable(s.tensor_meta.shape, s) for s in specs)
+
+    return even
+
+
+def _keep_even_layouts_only(op: OpOverload) -> None:
+    """Make a rule declared with allow_uneven_sharding=False mean even shards only.
+
+    torch's flag only refuses to move an input onto a layout where a sharded dim is smaller than its number of
+    shards; 5 rows over 4 ranks (2, 2, 1, 0) pass, and an empty or misaligned shard is exactly what such rules
+    must not see (the CPU attention kernel dies of SIGFPE on zero heads). The expansion is filtered instead.
+    """
+    from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy
+
+    info = _compat.propagator().op_single_dim_strategy_funcs[op]
+    single_dim_as_op_strategy(op, filtered_single_dim(info, _evenly_placed))
 
 
 def _apply_torch_fixes(entries: list[RegistryEntry]) -> list[Callable[[], None]]:
@@ -252,9 +279,8 @@ def uninstall() -> None:
         return
     for undo in reversed(_state.undo_fixes):
         undo()
-    prop = _compat.propagator()
     for op, snapshot in _state.previous.items():
-        if prop.op_single_dim_strategy_funcs.get(op) is _state.ours[op]:
+        if _compat.registered_strategy(op) is _state.ours[op]:
             _compat.restore_registration(op, snapshot)
     _state = None
     _compat.clear_sharding_caches()

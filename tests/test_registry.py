@@ -144,3 +144,46 @@ def test_torch_fixes_are_applied_by_default_reported_and_undone_exactly():
         assert _propagator_tables() == pristine and _handlers() == pristine_handlers
     finally:
         dtensor_ext.install()
+
+
+def _sdpa_heads_split_runs(heads: int) -> bool:
+    """SDPA of q/k/v with `heads` heads sharded on heads over 4 ranks gives the one-device result."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dtensor_ext.testing import simulated_mesh
+
+    q = torch.randn(2, heads, 8, 16)
+    with simulated_mesh((4,)) as mesh:
+        dq = distribute_tensor(q, mesh, [Shard(1)])
+        out = F.scaled_dot_product_attention(dq, dq, dq)
+        gathered = out.full_tensor()
+    expected = F.scaled_dot_product_attention(q, q, q)
+    return all(torch.allclose(v, expected, atol=1e-5) for v in _compat.local_tensor_values(gathered).values())
+
+
+def test_rules_declared_even_only_never_see_uneven_shards():
+    """allow_uneven_sharding=False must mean even shards: torch's own flag lets 5 heads over 4 ranks (2, 2, 1, 0)
+    through, and the CPU flash-attention kernel then kills the process (SIGFPE) on the rank with no heads. Run in
+    a forked child, so that a regression fails this test instead of ending the session."""
+    from dtensor_ext.opdb_coverage import _in_child_process
+
+    dtensor_ext.install()
+    assert _in_child_process(lambda: _sdpa_heads_split_runs(5)) is True
+    assert _in_child_process(lambda: _sdpa_heads_split_runs(4)) is True
+
+
+def test_even_only_rules_keep_their_even_layouts():
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from dtensor_ext.testing import simulated_mesh
+
+    dtensor_ext.install()
+    q = torch.randn(2, 4, 8, 16)
+    with simulated_mesh((4,)) as mesh:
+        dq = distribute_tensor(q, mesh, [Shard(1)])
+        with CommDebugMode() as comms:
+            out = torch.nn.functional.scaled_dot_product_attention(dq, dq, dq)
+    assert out.placements == (Shard(1),)
+    assert comms.get_total_counts() == 0

@@ -23,12 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from dtensor_ext._compat import pytree
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
 from dtensor_ext.torch_fixes import Undo, restorer, torch_fix, undo_all
-from dtensor_ext.torch_fixes.strategy_swap import expand_single_dim, single_dim_as_op_strategy
+from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy
 
 aten = torch.ops.aten
 
@@ -160,6 +159,16 @@ def _runnable(offered: OpStrategy, dims: tuple[int, ...]) -> OpStrategy:
     return OpStrategy([s for s in offered.strategies if not starves_a_rank(_first_input_spec(s), dims)])
 
 
+def feeds_every_rank(guarded_dims: GuardedDims) -> Callable[[OpSchema], Callable[[OpSpec], bool]]:
+    """For `filtered_single_dim`: keep the layouts whose first input leaves no rank an empty shard of a guarded dim."""
+
+    def keeps(op_schema: OpSchema) -> Callable[[OpSpec], bool]:
+        dims = guarded_dims(op_schema)
+        return lambda spec: not starves_a_rank(_first_input_spec(spec), dims)
+
+    return keeps
+
+
 def _unstarved(spec: DTensorSpec, dims: tuple[int, ...]) -> DTensorSpec:
     """`spec` with its shards of `dims` replicated, innermost mesh dim first, until no rank is starved."""
     placements = list(spec.placements)
@@ -200,50 +209,6 @@ def runnable_op_strategy(torch_strategy: Callable, guarded_dims: GuardedDims) ->
     return strategy
 
 
-def runnable_single_dim(info: object, guarded_dims: GuardedDims) -> Callable:
-    """An op_strategy function: the single-dim rule `info` expanded over the mesh as DTensor would (fast
-    propagation included), without the layouts that starve a rank.
-
-    A single-dim rule cannot see the mesh, so the filter sits after the expansion; where the expansion in use
-    returns only its cheapest pick and that starves a rank, torch's full expansion supplies the alternatives.
-    """
-
-    def strategy(op_schema: OpSchema) -> OpStrategy:
-        if any(len(s.strategies) != 1 for s in op_schema.args_strategy):
-            return _queried_without_a_layout(op_schema)
-        expand = _compat.single_dim_expansion()
-        offered = expand_single_dim(info, op_schema, expand)
-        dims = guarded_dims(op_schema)
-        runnable = _runnable(offered, dims)
-        if len(runnable.strategies) == len(offered.strategies):
-            return offered
-        if not runnable.strategies and expand is not _compat.full_single_dim_expansion:
-            runnable = _runnable(expand_single_dim(info, op_schema, _compat.full_single_dim_expansion), dims)
-        return runnable
-
-    def _queried_without_a_layout(op_schema: OpSchema) -> OpStrategy:
-        """Tools (torch's strategy_validation) ask with every candidate layout of each input at once, which torch's
-        expansion refuses: expand for one candidate per input (a sharded one where there is one: the rows depend
-        only on which shard types the inputs use), filter, and price each row against all candidates."""
-        sources = op_schema.args_strategy
-
-        def one_candidate(source: OpStrategy) -> OpStrategy:
-            sharded = [s for s in source.strategies if any(hasattr(p, "dim") for p in s.output_spec.placements)]
-            return OpStrategy((sharded or source.strategies)[:1])
-
-        chosen = pytree.tree_map_only(OpStrategy, one_candidate, (op_schema.args_schema, op_schema.kwargs_schema))
-        offered = strategy(OpSchema(op_schema.op, *chosen, schema_info=op_schema.schema_info))
-        return OpStrategy([
-            OpSpec(spec.output_specs, spec.input_specs, [
-                [_compat.redistribute_cost(s.output_spec, target) for s in source.strategies]
-                for source, target in zip(sources, spec.input_specs)
-            ])
-            for spec in offered.strategies
-        ])
-
-    return strategy
-
-
 def unstarving_handler(handler: Callable, guarded_dims: GuardedDims) -> Callable:
     """torch's custom dispatch handler for an op, run on an input first moved off any layout that starves a rank.
 
@@ -270,7 +235,7 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
     kind = _compat.torch_strategy_kind(op)
     if kind == "single_dim":
         return single_dim_as_op_strategy(
-            op, runnable_single_dim(snapshot["op_single_dim_strategy_funcs"], kernel.guarded_dims)
+            op, filtered_single_dim(snapshot["op_single_dim_strategy_funcs"], feeds_every_rank(kernel.guarded_dims))
         )
     if kind != "op_strategy":
         return None  # torch does not shard the op itself: nothing of torch's to steer

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import OpOverload, OpSchema, OpStrategy
+from dtensor_ext._compat import OpOverload, OpSchema, OpSpec, OpStrategy, pytree
 from dtensor_ext.torch_fixes import Undo, restorer, undo_all
 
 
@@ -51,3 +51,50 @@ def single_dim_as_op_strategy(op: OpOverload, strategy: Callable[[OpSchema], OpS
         op, strategy, schema_info=snapshot.get("op_to_schema_info_for_single_dim_strategy")
     )
     return undo
+
+
+def filtered_single_dim(info: object, keeps: Callable[[OpSchema], Callable[[OpSpec], bool]]) -> Callable:
+    """An op_strategy function: the single-dim rule `info` expanded over the mesh as DTensor would (fast
+    propagation included), keeping only the layouts `keeps(op_schema)` accepts (all-Replicate must be one).
+
+    A single-dim rule cannot see the mesh, so the filter sits after the expansion; where the expansion in use
+    returns only its cheapest pick and the filter drops it, torch's full expansion supplies the alternatives.
+    """
+
+    def kept(offered: OpStrategy, op_schema: OpSchema) -> OpStrategy:
+        accepts = keeps(op_schema)
+        return OpStrategy([s for s in offered.strategies if accepts(s)])
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        if any(len(s.strategies) != 1 for s in op_schema.args_strategy):
+            return _queried_without_a_layout(op_schema)
+        expand = _compat.single_dim_expansion()
+        offered = expand_single_dim(info, op_schema, expand)
+        runnable = kept(offered, op_schema)
+        if len(runnable.strategies) == len(offered.strategies):
+            return offered
+        if not runnable.strategies and expand is not _compat.full_single_dim_expansion:
+            runnable = kept(expand_single_dim(info, op_schema, _compat.full_single_dim_expansion), op_schema)
+        return runnable
+
+    def _queried_without_a_layout(op_schema: OpSchema) -> OpStrategy:
+        """Tools (torch's strategy_validation) ask with every candidate layout of each input at once, which torch's
+        expansion refuses: expand for one candidate per input (a sharded one where there is one: the rows depend
+        only on which shard types the inputs use), filter, and price each row against all candidates."""
+        sources = op_schema.args_strategy
+
+        def one_candidate(source: OpStrategy) -> OpStrategy:
+            sharded = [s for s in source.strategies if any(hasattr(p, "dim") for p in s.output_spec.placements)]
+            return OpStrategy((sharded or source.strategies)[:1])
+
+        chosen = pytree.tree_map_only(OpStrategy, one_candidate, (op_schema.args_schema, op_schema.kwargs_schema))
+        offered = strategy(OpSchema(op_schema.op, *chosen, schema_info=op_schema.schema_info))
+        return OpStrategy([
+            OpSpec(spec.output_specs, spec.input_specs, [
+                [_compat.redistribute_cost(s.output_spec, target) for s in source.strategies]
+                for source, target in zip(sources, spec.input_specs)
+            ])
+            for spec in offered.strategies
+        ])
+
+    return strategy
