@@ -88,8 +88,9 @@ def cumsum_rule(op, args, kwargs):
 
 
 # p-norms whose per-shard values add up to the norm, also over empty shards (whose norm is 0): p=0 counts the
-# nonzero entries, p=1 sums |x|. Other orders either need a p-th-power Partial (p=2 ...) or, for inf and negative
-# p, raise on an empty shard, which uneven sharding can leave some rank with.
+# nonzero entries, p=1 sums |x|. inf and negative orders raise on the empty shard uneven sharding can leave a rank
+# with. Other positive orders combine only through DTensor's p-norm Partial ((sum of v ** p) ** (1 / p)), whose
+# rows torch's strategy validator cannot represent and flags as incorrect; they are left out (docs/rules-copies.md).
 _ADDITIVE_NORM_ORDERS = (0.0, 1.0)
 
 

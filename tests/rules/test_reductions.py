@@ -71,11 +71,13 @@ def test_cumsum_proven(mesh_shape, shape, data):
 
 @PROVING_MESHES
 @given(sample=reduction_samples(min_dims=1), keepdim=st.booleans(),
-       p=st.sampled_from([None, 0, 1, 2, 0.5, float("inf")]), with_dtype=st.booleans())
+       p=st.sampled_from([None, 0, 1, 2, 0.5, 3, float("inf"), -1]), with_dtype=st.booleans())
 @example(sample=((5, 3, 2), [0, 2]), keepdim=True, p=1, with_dtype=False)
+@example(sample=((2, 5, 3), [1]), keepdim=False, p=2, with_dtype=False)
 @example(sample=((3, 5, 2), [-1]), keepdim=False, p=0, with_dtype=True)
 def test_norm_over_dims_proven(mesh_shape, sample, keepdim, p, with_dtype):
-    """Surviving dims shard; a reduced dim only for p in {0, 1} (inf would raise on an empty shard)."""
+    """Surviving dims shard; a reduced dim only for p in {0, 1} (inf and negative p raise on an empty shard; other
+    orders would need DTensor's p-norm Partial)."""
     shape, dims = sample
     args = [sample_tensor(shape), p, dims, keepdim]
     op, kwargs = aten.norm.ScalarOpt_dim, {}
