@@ -1,4 +1,5 @@
-"""Proofs for pixel_shuffle / pixel_unshuffle: Partial passes, pixel_shuffle's batch dims shard, C/H/W stay whole."""
+"""Proofs for pixel_shuffle / pixel_unshuffle: Partial passes, pixel_shuffle's batch dims shard, C/H/W stay whole;
+channel_shuffle: every dim but the channels shards."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ def test_pixel_unshuffle_proven(mesh_shape, sample):
     assert_proven(aten.pixel_unshuffle.default, [x, r], rule=pixel_shuffle.pixel_unshuffle_rule, mesh_shape=mesh_shape)
 
 
+@PROVING_MESHES
+@given(spatial=st.lists(st.integers(1, 5), min_size=1, max_size=2), batch=st.integers(1, 5), data=st.data())
+def test_channel_shuffle_proven(mesh_shape, spatial, batch, data):
+    groups, per_group = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    op = data.draw(st.sampled_from([aten.channel_shuffle.default, aten.native_channel_shuffle.default]))
+    x = sample_tensor((batch, groups * per_group, *spatial))
+    assert_proven(op, [x, groups], rule=pixel_shuffle.channel_shuffle_rule, mesh_shape=mesh_shape)
+
+
 def test_unshuffle_of_an_uneven_batch_is_right_and_shuffle_keeps_it_sharded():
     """pixel_unshuffle's kernel returns an empty input unchanged, so a batch that leaves a rank empty is gathered;
     pixel_shuffle's kernel handles empty inputs and keeps the uneven batch shard."""
@@ -59,3 +69,4 @@ def test_unshuffle_of_an_uneven_batch_is_right_and_shuffle_keeps_it_sharded():
 def test_torch_validator_finds_no_wrong_pixel_shuffle_rule():
     assert_torch_validator_agrees("nn.functional.pixel_shuffle")
     assert_torch_validator_agrees("nn.functional.pixel_unshuffle")
+    assert_torch_validator_agrees("nn.functional.channel_shuffle")

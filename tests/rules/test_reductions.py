@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -69,6 +69,23 @@ def test_cumsum_proven(mesh_shape, shape, data):
     assert_proven(aten.cumsum.default, [sample_tensor(shape), dim], rule=reductions.cumsum_rule, mesh_shape=mesh_shape)
 
 
+@PROVING_MESHES
+@given(sample=reduction_samples(min_dims=1), keepdim=st.booleans(),
+       p=st.sampled_from([None, 0, 1, 2, 0.5, 3, float("inf"), -1]), with_dtype=st.booleans())
+@example(sample=((5, 3, 2), [0, 2]), keepdim=True, p=1, with_dtype=False)
+@example(sample=((2, 5, 3), [1]), keepdim=False, p=2, with_dtype=False)
+@example(sample=((3, 5, 2), [-1]), keepdim=False, p=0, with_dtype=True)
+def test_norm_over_dims_proven(mesh_shape, sample, keepdim, p, with_dtype):
+    """Surviving dims shard; a reduced dim only for p in {0, 1} (inf and negative p raise on an empty shard; other
+    orders would need DTensor's p-norm Partial)."""
+    shape, dims = sample
+    args = [sample_tensor(shape), p, dims, keepdim]
+    op, kwargs = aten.norm.ScalarOpt_dim, {}
+    if with_dtype:
+        op, kwargs = aten.norm.ScalarOpt_dim_dtype, {"dtype": torch.float64}
+    assert_proven(op, args, kwargs, rule=reductions.norm_over_dims_rule, mesh_shape=mesh_shape)
+
+
 ONE_D_PLACEMENTS = [Replicate(), Shard(0), Shard(1), Shard(2), *(Partial(r) for r in ("sum", "avg", "max", "min"))]
 
 
@@ -110,6 +127,23 @@ def test_torch_validator_finds_no_incorrect_rule():
     # these OpInfo samples only reach combinations the validator counts as trivial: run for false positives only
     assert_torch_validator_agrees("aminmax", exercised=False)
     assert_torch_validator_agrees("logsumexp", upgrade=["aten::logsumexp"], exercised=False)
+    # pairwise_distance runs sub and add before norm.ScalarOpt_dim: validate each of its aten ops
+    assert_torch_validator_agrees("nn.functional.pairwise_distance", allow_composite=True)
+
+
+def test_pairwise_distance_of_row_sharded_inputs_stays_local(installed):
+    """F.pairwise_distance's p-norm over the features keeps unevenly sharded rows sharded, with no collective."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    x1, x2 = sample_tensor((5, 4)), sample_tensor((5, 4), seed=1)
+    with simulated_mesh((4,)) as mesh:
+        d1, d2 = distribute_tensor(x1, mesh, [Shard(0)]), distribute_tensor(x2, mesh, [Shard(0)])
+        with CommDebugMode() as comms:
+            out = torch.nn.functional.pairwise_distance(d1, d2)
+        placements, full = out.placements, out.full_tensor()
+    assert comms.get_total_counts() == 0
+    assert placements == (Shard(0),)
+    torch.testing.assert_close(full, torch.nn.functional.pairwise_distance(x1, x2))
 
 
 def test_end_to_end_reductions(installed):
