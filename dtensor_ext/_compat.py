@@ -629,9 +629,18 @@ def torch_strategy_source(op: OpOverload) -> str | None:
 def output_tensor_meta(strategy_schema: OpSchema):
     """The global output TensorMeta(s) of the op in `strategy_schema` (tensor args as OpStrategy), as torch's
     propagator computes them before expanding a single-dim rule."""
-    as_specs = pytree.tree_map_only(OpStrategy, lambda s: s.strategies[0].output_spec,
-                                    (strategy_schema.args_schema, strategy_schema.kwargs_schema))
-    return propagator()._propagate_tensor_meta_non_cached(OpSchema(strategy_schema.op, *as_specs))
+    def as_spec(x):  # (TupleStrategy is a pytree node of its own: a list argument is rebuilt by hand)
+        if isinstance(x, OpStrategy):
+            return x.strategies[0].output_spec
+        if isinstance(x, TupleStrategy):  # a list of tensors (indices, tensor lists)
+            return [as_spec(child) for child in x.children]
+        if isinstance(x, (list, tuple)):  # a list with None entries stays a plain list
+            return type(x)(as_spec(child) for child in x)
+        return x
+
+    args = tuple(as_spec(a) for a in strategy_schema.args_schema)
+    kwargs = {k: as_spec(v) for k, v in strategy_schema.kwargs_schema.items()}
+    return propagator()._propagate_tensor_meta_non_cached(OpSchema(strategy_schema.op, args, kwargs))
 
 
 def local_shapes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> list[tuple]:

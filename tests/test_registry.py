@@ -187,3 +187,22 @@ def test_even_only_rules_keep_their_even_layouts():
             out = torch.nn.functional.scaled_dot_product_attention(dq, dq, dq)
     assert out.placements == (Shard(1),)
     assert comms.get_total_counts() == 0
+
+
+def test_even_only_rule_with_a_tensor_list_argument_runs():
+    """The layout filter must pass list arguments (`_unsafe_masked_index`'s indices) to torch's expansion."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dtensor_ext.testing import simulated_mesh
+
+    dtensor_ext.install()
+    x, mask = torch.randn(4, 6), torch.rand(4, 3) > 0.5
+    idx = torch.randint(0, 6, (4, 3))
+    expected = torch.ops.aten._unsafe_masked_index(x, mask, [None, idx], 0.5)
+    with simulated_mesh((4,)) as mesh:
+        out = torch.ops.aten._unsafe_masked_index(
+            distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(mask, mesh, [Shard(0)]),
+            [None, distribute_tensor(idx, mesh, [Shard(0)])], 0.5,
+        )
+        assert out.placements == (Shard(1),)  # x[:, idx] is [4, 4, 3]: the index rows are its dim 1
+        torch.testing.assert_close(out.full_tensor(), expected)
