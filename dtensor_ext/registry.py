@@ -182,6 +182,10 @@ def install(
                 variant_of=base.op_name if base else None,
             )
         )
+    for op in previous:  # after torch derived the variants, which inherit their base rule's evenness
+        spec = registered.get(op) or _variant_base(op, registered)
+        if spec is not None and not spec.allow_uneven_sharding:
+            _keep_even_layouts_only(op)
     ours = {op: _compat.registered_strategy(op) for op in previous}
     undo_fixes = _apply_torch_fixes(entries) if fix_torch else []
     _state = _Installed(entries, previous, ours, _freeze(upgrade), fix_torch, undo_fixes)
@@ -204,8 +208,6 @@ def _install_spec(
     _compat.register_single_dim(
         op, spec.func, schema_info=spec.schema_info, allow_uneven_sharding=spec.allow_uneven_sharding
     )
-    if not spec.allow_uneven_sharding:
-        _keep_even_layouts_only(op)
     if spec.local_scalars is not None:
         _compat.register_scalar_adjuster(op, spec.local_scalars)
     status = "upgraded" if torch_kind in _compat.DIRECT_STRATEGY_KINDS else "added"
@@ -262,7 +264,9 @@ def install_one(op: OpOverload | str) -> RegistryEntry | None:
         raise ValueError(f"install_one({name!r}): already installed")
     entry, registered = _install_spec(spec, _state.upgrade, _state.previous)
     if registered is not None:
-        _state.ours[registered] = _compat.propagator().op_single_dim_strategy_funcs[registered]
+        if not spec.allow_uneven_sharding:
+            _keep_even_layouts_only(registered)
+        _state.ours[registered] = _compat.registered_strategy(registered)
     _state.entries.append(entry)
     _compat.clear_sharding_caches()
     return entry

@@ -206,3 +206,23 @@ def test_even_only_rule_with_a_tensor_list_argument_runs():
         )
         assert out.placements == (Shard(1),)  # x[:, idx] is [4, 4, 3]: the index rows are its dim 1
         torch.testing.assert_close(out.full_tensor(), expected)
+
+
+def test_variants_of_even_only_rules_are_filtered_too():
+    """torch derives out= variants from the rule before the layout filter takes it over; they get the filter too."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dtensor_ext.testing import simulated_mesh
+
+    dtensor_ext.install()
+    prop = _compat.propagator()
+    for op in (torch.ops.aten.im2col.default, torch.ops.aten.im2col.out):
+        assert op not in prop.op_single_dim_strategy_funcs
+        assert getattr(prop.op_strategy_funcs[op], "single_dim_info", None) is not None
+    x = torch.randn(5, 4, 5, 5)  # 5 samples over 4 ranks: uneven, so the batch split is filtered out
+    expected = torch.ops.aten.im2col(x, [2, 2], [1, 1], [0, 0], [1, 1])
+    with simulated_mesh((4,)) as mesh:
+        out = distribute_tensor(torch.empty_like(expected), mesh, [Replicate()])
+        got = torch.ops.aten.im2col.out(distribute_tensor(x, mesh, [Shard(0)]), [2, 2], [1, 1], [0, 0], [1, 1], out=out)
+        assert got.placements == (Replicate(),)
+        torch.testing.assert_close(got.full_tensor(), expected)
