@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dtensor_ext import _compat
 from dtensor_ext._compat import OpOverload
 
-__all__ = ["TorchFix", "torch_fix", "declared_fixes", "replace_rule", "restorer", "undo_all"]
+__all__ = ["TorchFix", "torch_fix", "declared_fixes", "replace_rule", "restorer", "undo_all", "swap_handlers"]
 
 Undo = Callable[[], None]
 
@@ -80,3 +80,14 @@ def restorer(op: OpOverload) -> Undo:
     """An undo putting back everything the propagator knows about `op` now."""
     snapshot = _compat.snapshot_registration(op)
     return lambda: _compat.restore_registration(op, snapshot)
+
+
+def swap_handlers(handlers: dict[OpOverload, Callable]) -> Undo:
+    """Make each handler DTensor's dispatch handler for its op; the undo puts back what each op had (or none)."""
+    previous = {op: _compat.set_custom_op_handler(op, handler) for op, handler in handlers.items()}
+
+    def undo():
+        for op, handler in previous.items():
+            _compat.set_custom_op_handler(op, handler)
+
+    return undo

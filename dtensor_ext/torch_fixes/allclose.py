@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes import swap_handlers, torch_fix
 
 aten = torch.ops.aten
 
@@ -38,5 +38,4 @@ def fix_allclose():
     op = aten.allclose.default
     if _compat.custom_op_handler(op) is not None or _compat.torch_strategy_kind(op) in _compat.DIRECT_STRATEGY_KINDS:
         return None  # this torch answers allclose itself
-    _compat.set_custom_op_handler(op, _allclose)
-    return lambda: _compat.set_custom_op_handler(op, None)
+    return swap_handlers({op: _allclose})

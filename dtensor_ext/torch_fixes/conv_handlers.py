@@ -14,7 +14,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate
-from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes import swap_handlers, torch_fix
 
 aten = torch.ops.aten
 
@@ -57,19 +57,11 @@ def _convolution_backward(op_call, args, kwargs):
 )
 def fix_convolution_handlers():
     ours = {aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward}
-    faulty = {
-        op: handler
-        for op in ours
+    faulty = [
+        op for op in ours
         if (handler := _compat.custom_op_handler(op)) is not None
         and not _compat.handler_applies_redistribution(handler)
-    }
+    ]
     if not faulty:
         return None
-    for op in faulty:
-        _compat.set_custom_op_handler(op, ours[op])
-
-    def undo():
-        for op, handler in faulty.items():
-            _compat.set_custom_op_handler(op, handler)
-
-    return undo
+    return swap_handlers({op: ours[op] for op in faulty})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext.torch_fixes import restorer, torch_fix, undo_all
+from dtensor_ext.torch_fixes import restorer, swap_handlers, torch_fix, undo_all
 from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
 aten = torch.ops.aten
@@ -56,9 +56,8 @@ def fix_squeeze_copy():
     _compat.register_view_strategy(op, torch.squeeze, schema_info=_compat.RuntimeSchemaInfo(1))
     variants[op] = op
     undos.append(lambda: variants.pop(op, None))
-    for overload in (aten.squeeze_copy.default, aten.squeeze_copy.dim):
-        previous = _compat.set_custom_op_handler(overload, _squeeze_copy_as_dims)
-        undos.append(lambda overload=overload, previous=previous: _compat.set_custom_op_handler(overload, previous))
+    undos.append(swap_handlers({overload: _squeeze_copy_as_dims
+                                for overload in (aten.squeeze_copy.default, aten.squeeze_copy.dim)}))
     return undo_all(undos)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate, Shard
-from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes import swap_handlers, torch_fix
 
 aten = torch.ops.aten
 
@@ -62,5 +62,4 @@ def fix_embedding_rows():
     rule = _compat.single_dim_func(op)
     if _compat.custom_op_handler(op) is not None or getattr(rule, "__name__", None) != _MASKING_STRATEGY:
         return None
-    _compat.set_custom_op_handler(op, _embedding)
-    return lambda: _compat.set_custom_op_handler(op, None)
+    return swap_handlers({op: _embedding})

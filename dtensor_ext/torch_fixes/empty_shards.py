@@ -26,7 +26,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
-from dtensor_ext.torch_fixes import Undo, restorer, torch_fix, undo_all
+from dtensor_ext.torch_fixes import Undo, restorer, swap_handlers, torch_fix, undo_all
 from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy
 
 aten = torch.ops.aten
@@ -229,8 +229,7 @@ def unstarving_handler(handler: Callable, guarded_dims: GuardedDims) -> Callable
 def _steer(op, kernel: EmptyRejecting) -> Undo | None:
     handler = _compat.custom_op_handler(op)
     if handler is not None:  # it runs in place of DTensor's propagate-redistribute-compute path
-        _compat.set_custom_op_handler(op, unstarving_handler(handler, kernel.guarded_dims))
-        return lambda: _compat.set_custom_op_handler(op, handler)
+        return swap_handlers({op: unstarving_handler(handler, kernel.guarded_dims)})
     snapshot = _compat.snapshot_registration(op)
     kind = _compat.torch_strategy_kind(op)
     if kind == "single_dim":

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, Replicate, Shard
-from dtensor_ext.torch_fixes import torch_fix, undo_all
+from dtensor_ext.torch_fixes import swap_handlers, torch_fix
 
 aten = torch.ops.aten
 
@@ -36,7 +36,7 @@ def _placements_for(data: DTensor, axis: int) -> tuple[list, list]:
     return keep, boundaries
 
 
-def _as_dtensor(name: str, value: object, like: DTensor) -> DTensor:
+def _as_dtensor(name: str, value: object) -> DTensor:
     if isinstance(value, DTensor):
         return value
     if isinstance(value, torch.Tensor):
@@ -61,7 +61,7 @@ def _segment_handler(data_args: int):
         local_kwargs = dict(kwargs)
         for name in _BOUNDARIES:
             if kwargs.get(name) is not None:
-                boundary = _as_dtensor(name, kwargs[name], data)
+                boundary = _as_dtensor(name, kwargs[name])
                 local_kwargs[name] = boundary.redistribute(mesh, boundary_placements).to_local()
         local = op_call(*local_args, *rest, **local_kwargs)
         shape = list(data.shape)
@@ -90,6 +90,4 @@ def fix_segment_reduce():
     }
     if not ours:
         return None
-    for op, handler in ours.items():
-        _compat.set_custom_op_handler(op, handler)
-    return undo_all([lambda op=op: _compat.set_custom_op_handler(op, None) for op in ours])
+    return swap_handlers(ours)
