@@ -232,8 +232,7 @@ def _keep_even_layouts_only(op: OpOverload) -> None:
     """
     from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy
 
-    info = _compat.propagator().op_single_dim_strategy_funcs[op]
-    single_dim_as_op_strategy(op, filtered_single_dim(info, _evenly_placed))
+    single_dim_as_op_strategy(op, lambda rule: filtered_single_dim(rule, _evenly_placed))
 
 
 def _apply_torch_fixes(entries: list[RegistryEntry]) -> list[Callable[[], None]]:

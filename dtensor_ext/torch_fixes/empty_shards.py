@@ -26,8 +26,8 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
-from dtensor_ext.torch_fixes import Undo, restorer, swap_handlers, torch_fix, undo_all
-from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy
+from dtensor_ext.torch_fixes import Undo, swap_handlers, torch_fix, undo_all
+from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -230,21 +230,13 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
     handler = _compat.custom_op_handler(op)
     if handler is not None:  # it runs in place of DTensor's propagate-redistribute-compute path
         return swap_handlers({op: unstarving_handler(handler, kernel.guarded_dims)})
-    snapshot = _compat.snapshot_registration(op)
     kind = _compat.torch_strategy_kind(op)
     if kind == "single_dim":
-        return single_dim_as_op_strategy(
-            op, filtered_single_dim(snapshot["op_single_dim_strategy_funcs"], feeds_every_rank(kernel.guarded_dims))
-        )
+        keeps = feeds_every_rank(kernel.guarded_dims)
+        return single_dim_as_op_strategy(op, lambda rule: filtered_single_dim(rule, keeps))
     if kind != "op_strategy":
         return None  # torch does not shard the op itself: nothing of torch's to steer
-    undo = restorer(op)
-    _compat.restore_registration(op, {})
-    _compat.register_op_strategy(
-        op, runnable_op_strategy(snapshot["op_strategy_funcs"], kernel.guarded_dims),
-        schema_info=snapshot.get("op_to_schema_info"),
-    )
-    return undo
+    return wrap_strategies([op], lambda torch_strategy: runnable_op_strategy(torch_strategy, kernel.guarded_dims))
 
 
 @torch_fix(

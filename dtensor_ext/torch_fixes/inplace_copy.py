@@ -68,5 +68,4 @@ def fix_copy_into_empty_shards():
     op = aten.copy_.default
     if _compat.torch_strategy_kind(op) != "single_dim" or not _compat.inplace_placement_refusal():
         return None
-    torch_rule = _compat.snapshot_registration(op)["op_single_dim_strategy_funcs"]
-    return single_dim_as_op_strategy(op, copy_into_kept_layout(torch_rule))
+    return single_dim_as_op_strategy(op, copy_into_kept_layout)

@@ -40,17 +40,20 @@ def expand_single_dim(info: object, op_schema: OpSchema, expand: Callable | None
     return expand(mesh, op_schema, info, output_meta)(op_schema.op, op_schema.args_meta, op_schema.kwargs_meta)
 
 
-def single_dim_as_op_strategy(op: OpOverload, strategy: Callable[[OpSchema], OpStrategy]) -> Undo:
-    """Make `strategy` (which expands torch's single-dim rule itself, see `expand_single_dim`) the op_strategy
-    function of `op` in place of that rule, with torch's schema info; the undo puts torch's registration back."""
+def single_dim_as_op_strategy(
+    op: OpOverload, strategy_for: Callable[[object], Callable[[OpSchema], OpStrategy]]
+) -> Undo:
+    """Put `strategy_for(the op's single-dim rule record)` (an op_strategy function expanding that rule itself, see
+    `expand_single_dim`) in place of the rule, with its schema info; the undo puts the registration back."""
     snapshot = _compat.snapshot_registration(op)
-    undo = restorer(op)
-    strategy.single_dim_info = snapshot["op_single_dim_strategy_funcs"]  # stays discoverable: _compat.single_dim_func
+    rule = snapshot["op_single_dim_strategy_funcs"]
+    strategy = strategy_for(rule)
+    strategy.single_dim_info = rule  # stays discoverable: _compat.single_dim_func
     _compat.restore_registration(op, {})
     _compat.register_op_strategy(
         op, strategy, schema_info=snapshot.get("op_to_schema_info_for_single_dim_strategy")
     )
-    return undo
+    return lambda: _compat.restore_registration(op, snapshot)
 
 
 def filtered_single_dim(info: object, keeps: Callable[[OpSchema], Callable[[OpSpec], bool]]) -> Callable:
