@@ -706,11 +706,17 @@ def inplace_placement_refusal() -> bool:
     )
 
 
-def local_tensor_module():
-    """torch's LocalTensor implementation module, for the simulated mesh's corrections of its rank combining."""
+def rank_results_combiner() -> Callable:
+    """The function LocalTensorMode calls to combine the per-rank results of an op into one value."""
     from torch.distributed import _local_tensor
 
-    return _local_tensor
+    return _local_tensor._combine_any_rank_results
+
+
+def set_rank_results_combiner(combine: Callable) -> None:
+    from torch.distributed import _local_tensor
+
+    _local_tensor._combine_any_rank_results = combine
 
 
 def registered_strategy(op: OpOverload) -> object | None:

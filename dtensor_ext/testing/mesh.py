@@ -98,8 +98,7 @@ def _conjugation_resolved_across_ranks() -> Iterator[None]:
     to combine the pieces ("must have the same set of extra dispatch keys"). Each real rank holds its own tensor,
     so there the difference is invisible: the pieces are resolved to plain values before combining.
     """
-    module = _compat.local_tensor_module()
-    combine = module._combine_any_rank_results
+    combine = _compat.rank_results_combiner()
 
     def combine_resolved(rank_results):
         values = list(rank_results.values())
@@ -109,11 +108,11 @@ def _conjugation_resolved_across_ranks() -> Iterator[None]:
             rank_results = {r: v.resolve_conj().resolve_neg() for r, v in rank_results.items()}
         return combine(rank_results)
 
-    module._combine_any_rank_results = combine_resolved
+    _compat.set_rank_results_combiner(combine_resolved)
     try:
         yield
     finally:
-        module._combine_any_rank_results = combine
+        _compat.set_rank_results_combiner(combine)
 
 
 def active_mode() -> LocalTensorMode:
