@@ -211,6 +211,7 @@ def test_even_only_rule_with_a_tensor_list_argument_runs():
 def test_variants_of_even_only_rules_are_filtered_too():
     """torch derives out= variants from the rule before the layout filter takes it over; they get the filter too."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from dtensor_ext.testing import simulated_mesh
 
@@ -219,10 +220,16 @@ def test_variants_of_even_only_rules_are_filtered_too():
     for op in (torch.ops.aten.im2col.default, torch.ops.aten.im2col.out):
         assert op not in prop.op_single_dim_strategy_funcs
         assert getattr(prop.op_strategy_funcs[op], "single_dim_info", None) is not None
-    x = torch.randn(5, 4, 5, 5)  # 5 samples over 4 ranks: uneven, so the batch split is filtered out
-    expected = torch.ops.aten.im2col(x, [2, 2], [1, 1], [0, 0], [1, 1])
+    args = ([2, 2], [1, 1], [0, 0], [1, 1])
+    x = torch.randn(4, 4, 5, 5)  # 4 samples over 4 ranks: the even batch split stays, with no collective
+    expected = torch.ops.aten.im2col(x, *args)
     with simulated_mesh((4,)) as mesh:
-        out = distribute_tensor(torch.empty_like(expected), mesh, [Replicate()])
-        got = torch.ops.aten.im2col.out(distribute_tensor(x, mesh, [Shard(0)]), [2, 2], [1, 1], [0, 0], [1, 1], out=out)
-        assert got.placements == (Replicate(),)
+        out = distribute_tensor(torch.empty_like(expected), mesh, [Shard(0)])
+        dx = distribute_tensor(x, mesh, [Shard(0)])
+        with CommDebugMode() as comms:
+            got = torch.ops.aten.im2col.out(dx, *args, out=out)
+        assert got.placements == (Shard(0),)
+        assert comms.get_total_counts() == 0
         torch.testing.assert_close(got.full_tensor(), expected)
+        uneven = distribute_tensor(torch.randn(5, 4, 5, 5), mesh, [Shard(0)])  # 2, 2, 1, 0 samples
+        assert torch.ops.aten.im2col(uneven, *args).placements == (Replicate(),)
