@@ -47,10 +47,6 @@ def _owners() -> dict[str, str]:
     return owners
 
 
-def _our_ops() -> set[str]:
-    return set(_owners())
-
-
 def _first_sample_ops(info) -> set[str] | None:
     samples = info.sample_inputs("cpu", torch.float64)
     sample = next(iter(samples), None)
@@ -67,7 +63,7 @@ def _first_sample_ops(info) -> set[str] | None:
 
 def opinfos_reaching_our_ops(patterns: list[str] | None = None) -> dict[str, list[str]]:
     """OpInfo name -> our ops its first float64 sample dispatches (excluded and float64-less OpInfos skipped)."""
-    ours = _our_ops()
+    ours = set(_owners())
     found: dict[str, set[str]] = {}
     for info in _compat.opinfo_db():
         if patterns and not any(fnmatch.fnmatchcase(info.name, p) for p in patterns):
