@@ -723,3 +723,12 @@ def registered_strategy(op: OpOverload) -> object | None:
     """What the propagator runs for `op`: its single-dim record, else its op_strategy function."""
     prop = propagator()
     return prop.op_single_dim_strategy_funcs.get(op) or prop.op_strategy_funcs.get(op)
+
+
+# --- fast propagation ---
+
+
+def full_mesh_strategy_filter(prepared) -> Callable | None:
+    """The rule's full-mesh filter `(mesh, op_schema, input_specs, output_specs) -> bool` (torch 2.14+), or None
+    where the rule has none or the running torch has no such filters."""
+    return getattr(prepared, "full_mesh_strategy_filter", None)

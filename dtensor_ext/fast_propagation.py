@@ -151,7 +151,11 @@ class _Search:
 
     def __init__(self, mesh, op_schema, prepared, sources: list[DTensorSpec], output_tensor_meta):
         self.mesh = mesh
+        self.op_schema = op_schema
         self.prepared = prepared
+        # torch (2.14+) drops full-mesh combinations a rule's filter rejects (e.g. mean: Partial(avg) of uneven
+        # shards); filtering only removes candidates, so the bound stays admissible for what is left
+        self.admits = _compat.full_mesh_strategy_filter(prepared)
         self.sources = sources
         self.num_outputs = prepared.num_outputs
         self.output_tensor_meta = output_tensor_meta
@@ -216,13 +220,14 @@ class _Search:
         placements = list(zip(*combo))  # per output/input position: its placement on each mesh dim
         if any(p[0] is not None and _mixed_partials(p) for p in placements):
             return None
-        costs = []
-        for k in range(len(self.sources)):
-            priced = self._priced_input(k, placements[self.num_outputs + k])
-            if priced is None:
+        priced = [self._priced_input(k, placements[self.num_outputs + k]) for k in range(len(self.sources))]
+        if any(p is None for p in priced):
+            return None
+        if self.admits is not None and self.num_outputs:
+            outputs = self._output_specs(placements)
+            if outputs is not None and not self.admits(self.mesh, self.op_schema, [s for s, _ in priced], outputs):
                 return None
-            costs.append(priced[1])
-        return sum(costs)  # the order torch sums in, so that equal combinations give bit-identical totals
+        return sum(cost for _, cost in priced)  # torch's order of summing: equal combinations give equal totals
 
     def _priced_input(self, k: int, target: tuple[Placement, ...]) -> tuple[DTensorSpec, float] | None:
         """(spec, cost) of moving input `k` to `target`, or None where torch deems the target unshardable."""
@@ -261,7 +266,10 @@ class _Search:
             specs.append(DTensorSpec(self.mesh, placements[pos], tensor_meta=meta))
         if self.num_outputs == 0:
             return None
-        return tuple(specs) if self.num_outputs > 1 else specs[0]
+        list_output = self.op_schema.return_type_list_tensor_like() and not (
+            metas is None or isinstance(metas, TensorMeta)
+        )
+        return tuple(specs) if self.num_outputs > 1 or list_output else specs[0]
 
 
 class _LeaveBound:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given
@@ -15,6 +13,7 @@ from dtensor_ext import _compat, fast_propagation
 from dtensor_ext._compat import LocalTensor, Partial, Replicate, Shard, StridedShard
 from dtensor_ext.testing import rank_coordinates, simulated_mesh
 from dtensor_ext.testing.layout import place
+from tests.fast_propagation.expansion_check import CheckedExpansion, as_dtensor, expansion
 
 aten = torch.ops.aten
 
@@ -30,59 +29,17 @@ OPS = {
 }
 
 
-class CostRecorder:
-    """An expansion that runs torch's full expansion and the fast search side by side and returns the fast one."""
-
-    def __init__(self):
-        self.records: list[tuple[str, float, float]] = []
-
-    def __call__(self, mesh, op_schema, strategy_info, output_tensor_meta):
-        full = _compat.full_single_dim_expansion(mesh, op_schema, strategy_info, output_tensor_meta)
-        fast = fast_propagation.expand_single_dim_strategy(mesh, op_schema, strategy_info, output_tensor_meta)
-
-        def expanded(op, args_schema, kwargs_schema):
-            full_min = min(_total(spec) for spec in full(op, args_schema, kwargs_schema).strategies)
-            chosen = fast(op, args_schema, kwargs_schema)
-            assert len(chosen.strategies) == 1, f"{op}: fast propagation returned {len(chosen.strategies)} strategies"
-            self.records.append((str(op), full_min, _total(chosen.strategies[0])))
-            return chosen
-
-        return expanded
-
-
-def _total(op_spec) -> float:
-    return sum(c for per_input in op_spec.redistribute_cost for c in per_input)
-
-
-def _dtensor(tensor, mesh, placements, salt):
-    """A DTensor whose ranks hold `tensor` under `placements`, Partial included (built from per-rank pieces)."""
-    pieces = place(tensor, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=salt)
-    return DTensor.from_local(
-        LocalTensor(pieces), mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
-    )
-
-
 def _placement_options(ndim: int):
     return st.one_of(st.just(Replicate()), st.integers(0, ndim - 1).map(Shard), st.just(Partial("sum")))
 
 
 def _run_and_compare(op, tensors, placements, mesh_shape):
     expected = op(*tensors)
-    recorder = CostRecorder()
-    with simulated_mesh(mesh_shape) as mesh:
-        previous = _compat.single_dim_expansion()
-        _compat.set_single_dim_expansion(recorder)
-        try:
-            args = [_dtensor(t, mesh, ps, salt=i) for i, (t, ps) in enumerate(zip(tensors, placements))]
-            result = op(*args).full_tensor()
-        finally:
-            _compat.set_single_dim_expansion(previous)
+    with simulated_mesh(mesh_shape) as mesh, expansion(CheckedExpansion()) as recorder:
+        args = [as_dtensor(t, mesh, ps, salt=i) for i, (t, ps) in enumerate(zip(tensors, placements))]
+        result = op(*args).full_tensor()
     assert recorder.records, f"{op} did not go through a single-dim expansion"
-    for name, full_min, fast_cost in recorder.records:
-        assert math.isclose(fast_cost, full_min, rel_tol=1e-9, abs_tol=1e-12), (
-            f"{name} on mesh {mesh_shape} with inputs {placements}: fast propagation chose cost {fast_cost}, "
-            f"the full expansion's minimum is {full_min}"
-        )
+    recorder.assert_min_cost(f"on mesh {mesh_shape} with inputs {placements}")
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -127,19 +84,14 @@ def test_min_cost_and_correct_output_on_4d_mesh(name, placements):
 def test_in_place_op_keeps_self_and_matches_full_expansion():
     a, b = _tensors([(6, 4), (6, 4)], seed=1)
     expected = a + b
-    recorder = CostRecorder()
-    previous = _compat.single_dim_expansion()
-    with simulated_mesh((2, 2)) as mesh:
-        _compat.set_single_dim_expansion(recorder)
-        try:
-            da = _dtensor(a, mesh, (Shard(0), Shard(1)), salt=0)
-            db = _dtensor(b, mesh, (Shard(1), Replicate()), salt=1)
-            da.add_(db)
-            result = da.full_tensor()
-        finally:
-            _compat.set_single_dim_expansion(previous)
+    with simulated_mesh((2, 2)) as mesh, expansion(CheckedExpansion()) as recorder:
+        da = as_dtensor(a, mesh, (Shard(0), Shard(1)), salt=0)
+        db = as_dtensor(b, mesh, (Shard(1), Replicate()), salt=1)
+        da.add_(db)
+        result = da.full_tensor()
     assert da.placements == (Shard(0), Shard(1))
-    assert [r[1] for r in recorder.records] == pytest.approx([r[2] for r in recorder.records], rel=1e-9)
+    assert recorder.records
+    recorder.assert_min_cost("in place on (S0, S1)")
     torch.testing.assert_close(result, expected)
 
 
