@@ -80,6 +80,17 @@ def _cases():
             _spec(mesh, (s, 2 * s), _tangled(n, [Shard(1), Partial(), Shard(0)])),
         )
 
+    def mixed(shape_a, shape_b):
+        """The issue's mixed layouts on 4-D: (S0,R,S1,R) against (R,S0,R,S1), cut to the mesh's rank."""
+
+        def build(mesh, s):
+            n = mesh.ndim
+            a = [Shard(0), Replicate(), Shard(1), Replicate()][:n]
+            b = [Replicate(), Shard(0), Replicate(), Shard(1)][:n]
+            return (_spec(mesh, shape_a(s), a), _spec(mesh, shape_b(s), b))
+
+        return build
+
     def unary(mesh, s):
         return (_spec(mesh, (s, 2 * s), _one_sharded(mesh.ndim, 1)),)
 
@@ -139,7 +150,10 @@ def _cases():
         "baddbmm": (aten.baddbmm.default, baddbmm),
         "add": (aten.add.Tensor, binary),
         "add (tangled)": (aten.add.Tensor, binary_tangled),
+        "add (mixed)": (aten.add.Tensor, mixed(lambda s: (s, 2 * s), lambda s: (s, 2 * s))),
         "mul": (aten.mul.Tensor, binary),
+        "mul (mixed)": (aten.mul.Tensor, mixed(lambda s: (s, 2 * s), lambda s: (1, 2 * s))),
+        "mm (mixed)": (aten.mm.default, mixed(lambda s: (s, 2 * s), lambda s: (2 * s, s))),
         "div": (aten.div.Tensor, binary),
         "where": (aten.where.self, where),
         "gelu": (aten.gelu.default, unary),

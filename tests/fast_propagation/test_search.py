@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -181,3 +183,17 @@ def test_bound_allows_greedy_detour_through_replicate():
     """(S1, S0) -> (R, S1): greedy gathers mesh dim 1 instead of an all-to-all, since dim 1 nests under mesh dim 0."""
     lower, cost = _bound_and_cost((2, 3), (4, 4), (Shard(1), Shard(0)), (Replicate(), Shard(1)))
     assert lower <= cost * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(
+    "shape, mesh_shape, placements",
+    [((5, 6), (2, 2), (Shard(0), Shard(1))), ((6, 4), (4,), (Shard(0),)), ((3, 5), (2, 2), (Shard(1), Shard(1)))],
+)
+def test_mean_of_uneven_and_empty_shards_is_right(shape, mesh_shape, placements):
+    """torch 2.14+ rejects Partial(avg) over uneven shards with the rule's full-mesh filter; the search must too
+    (it returned 16.0 for 14.5, and NaN where a shard is empty)."""
+    x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    with simulated_mesh(mesh_shape) as mesh, expansion(CheckedExpansion()) as recorder:
+        result = as_dtensor(x, mesh, placements, salt=0).mean().full_tensor()
+    recorder.assert_min_cost(f"mean on {mesh_shape} {placements}")
+    torch.testing.assert_close(result, x.mean())
