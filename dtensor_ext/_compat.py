@@ -13,6 +13,7 @@ import importlib
 import inspect
 import itertools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -593,11 +594,10 @@ def squeeze_dims_variants() -> dict | None:
 
 
 def unbind_refuses_sharded_dim() -> bool:
-    """Whether torch's unbind strategy raises for a sharded unbind dim instead of replicating it (feature check:
-    its code carries the refusal message)."""
-    func = op_strategy_func(torch.ops.aten.unbind.int)
-    consts = getattr(getattr(func, "__code__", None), "co_consts", ())
-    return any(isinstance(c, str) and "cannot be performed without redistribution" in c for c in consts)
+    """Whether torch's sharding propagation refuses unbind along a sharded dim instead of replicating it (feature
+    check: unbind(0) of a [2, 2] tensor placed Shard(0) on a 2-rank probe mesh)."""
+    x = torch.zeros(2, 2)
+    return not propagates(torch.ops.aten.unbind.int, (probe_spec(x, (Shard(0),)), 0))
 
 
 def view_groups_drops_empty_dims() -> bool:
@@ -723,3 +723,29 @@ def registered_strategy(op: OpOverload) -> object | None:
     """What the propagator runs for `op`: its single-dim record, else its op_strategy function."""
     prop = propagator()
     return prop.op_single_dim_strategy_funcs.get(op) or prop.op_strategy_funcs.get(op)
+
+
+# --- newest torch (issue 13): behaviour probes for the torch fixes' feature checks ---
+
+
+def probe_mesh(shape: Sequence[int]):
+    """A mesh of `shape` as rank 0 sees it, with no process group behind it: enough for sharding propagation on a
+    tiny input (nothing is communicated), so feature checks run before or without any process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(tuple(shape)), _init_backend=False, _rank=0)
+
+
+def probe_spec(t: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int] = (2,)) -> DTensorSpec:
+    """`t`'s spec placed so on a probe mesh of `mesh_shape`."""
+    return DTensorSpec(probe_mesh(mesh_shape), tuple(placements), tensor_meta=tensor_meta(t))
+
+
+def propagates(op: OpOverload, args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether torch's sharding propagation (both caches bypassed) finds a strategy for `op` on `args`, whose tensor
+    arguments are DTensorSpecs; False where it raises (refusals surface as RuntimeError or an assertion)."""
+    try:
+        propagate_cold(OpSchema(op, tuple(args), dict(kwargs or {})))
+    except (RuntimeError, AssertionError, KeyError):
+        return False
+    return True
