@@ -749,3 +749,10 @@ def propagates(op: OpOverload, args: tuple, kwargs: dict | None = None) -> bool:
     except (RuntimeError, AssertionError, KeyError):
         return False
     return True
+
+
+def schema_info(op: OpOverload) -> RuntimeSchemaInfo | None:
+    """The runtime schema info torch registered with `op`'s strategy (which args are static, whether list args
+    hold tensors), as DTensor's dispatcher attaches it to the OpSchema it propagates."""
+    prop = propagator()
+    return prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)
