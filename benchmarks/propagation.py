@@ -174,7 +174,7 @@ def _cases():
 
 
 def _time_cold(op, builder, mesh, size) -> float:
-    schema = OpSchema(op, builder(mesh, size), {})
+    schema = OpSchema(op, builder(mesh, size), {}, schema_info=_compat.schema_info(op))
     gc.collect()
     gc.disable()  # a collection landing inside one timing adds ~10 ms of noise to a few-ms measurement
     try:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import itertools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -593,11 +595,10 @@ def squeeze_dims_variants() -> dict | None:
 
 
 def unbind_refuses_sharded_dim() -> bool:
-    """Whether torch's unbind strategy raises for a sharded unbind dim instead of replicating it (feature check:
-    its code carries the refusal message)."""
-    func = op_strategy_func(torch.ops.aten.unbind.int)
-    consts = getattr(getattr(func, "__code__", None), "co_consts", ())
-    return any(isinstance(c, str) and "cannot be performed without redistribution" in c for c in consts)
+    """Whether torch's sharding propagation refuses unbind along a sharded dim instead of replicating it (feature
+    check: unbind(0) of a [2, 2] tensor placed Shard(0) on a 2-rank probe mesh)."""
+    x = torch.zeros(2, 2)
+    return not propagates(torch.ops.aten.unbind.int, (probe_spec(x, (Shard(0),)), 0))
 
 
 def view_groups_drops_empty_dims() -> bool:
@@ -613,17 +614,6 @@ def known_equal(value: Any, constant: int) -> bool:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     return bool(guard_or_false(value == constant))
-
-
-def torch_strategy_source(op: OpOverload) -> str | None:
-    """Source text of torch's strategy function for `op` (op_strategy or single-dim), to recognise a known defect."""
-    func = single_dim_func(op) or propagator().op_strategy_funcs.get(op)
-    if func is None:
-        return None
-    try:
-        return inspect.getsource(func)
-    except (OSError, TypeError):
-        return None
 
 
 def output_tensor_meta(strategy_schema: OpSchema):
@@ -675,16 +665,27 @@ def set_dispatch_redistributor(redistribute: Callable) -> None:
 
 
 def shard_to_partial_refused() -> bool:
-    """Whether torch's local redistribution refuses Shard -> Partial (it raises "not supported yet" in its source)."""
-    from torch.distributed.tensor import _redistribute
-
-    source = inspect.getsource(_redistribute.redistribute_local_tensor)
-    return "not supported yet" in source
+    """Whether torch's local redistribution refuses some Shard -> Partial move (feature check: Shard(0) of a [2, 2]
+    tensor on a 2-rank probe mesh to Partial(max), and to Partial(sum))."""
+    return not (_moves_shard_to_partial(Partial("max")) and shard_to_partial_sum_supported())
 
 
+@functools.cache
 def shard_to_partial_sum_supported() -> bool:
     """Whether torch turns a Shard into Partial(sum) locally itself (2.14+: zeros outside each rank's shard)."""
-    return hasattr(Shard, "_to_partial_tensor")
+    return _moves_shard_to_partial(Partial("sum"))
+
+
+def _moves_shard_to_partial(target: Partial) -> bool:
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    x = torch.zeros(2, 2)
+    try:  # rank 0 holds row 0; the move is local, so the probe mesh needs no process group
+        with outside_simulated_ranks():
+            redistribute_local_tensor(x[:1], probe_spec(x, (Shard(0),)), probe_spec(x, (target,)))
+    except RuntimeError:
+        return False
+    return True
 
 
 def wrap_single_dim_func(op: OpOverload, wrap: Callable[[Callable], Callable]) -> None:
@@ -696,14 +697,11 @@ def wrap_single_dim_func(op: OpOverload, wrap: Callable[[Callable], Callable]) -
 
 
 def inplace_placement_refusal() -> bool:
-    """Whether torch's N-D expansion drops every candidate that would move the input of an in-place op onto a
-    layout with an empty shard, and then refuses the op (2.13: "in-place operations that require placement
-    changes")."""
-    from torch.distributed.tensor._ops import utils
-
-    return "in-place operations that require placement changes" in inspect.getsource(
-        utils.expand_to_full_mesh_op_strategy
-    )
+    """Whether torch refuses an in-place copy into a tensor with an empty shard from a source in another layout
+    (its N-D expansion drops the candidate that moves the source to the layout with the empty shard). Feature
+    check: `self.copy_(src)`, [1, 2] tensors, `self` Shard(0) on a 2-rank probe mesh, `src` replicated."""
+    self_, src = torch.zeros(1, 2), torch.zeros(1, 2)
+    return not propagates(torch.ops.aten.copy_.default, (probe_spec(self_, (Shard(0),)), probe_spec(src, (Replicate(),))))
 
 
 def rank_results_combiner() -> Callable:
@@ -732,3 +730,53 @@ def full_mesh_strategy_filter(prepared) -> Callable | None:
     """The rule's full-mesh filter `(mesh, op_schema, input_specs, output_specs) -> bool` (torch 2.14+), or None
     where the rule has none or the running torch has no such filters."""
     return getattr(prepared, "full_mesh_strategy_filter", None)
+
+
+# --- newest torch (issue 13): behaviour probes for the torch fixes' feature checks ---
+
+
+def probe_mesh(shape: Sequence[int]):
+    """A mesh of `shape` as rank 0 sees it, with no process group behind it: enough for sharding propagation on a
+    tiny input (nothing is communicated), so feature checks run before or without any process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with outside_simulated_ranks():
+        return DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(tuple(shape)), _init_backend=False, _rank=0)
+
+
+@contextlib.contextmanager
+def outside_simulated_ranks():
+    """Context in which a probe mesh is an ordinary mesh also under LocalTensorMode (which patches DeviceMesh to
+    answer for its simulated ranks)."""
+    mode = enabled_local_tensor_mode()
+    with mode.disable() if mode is not None else contextlib.nullcontext():
+        yield
+
+
+def probe_spec(t: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int] = (2,)) -> DTensorSpec:
+    """`t`'s spec placed so on a probe mesh of `mesh_shape`."""
+    return DTensorSpec(probe_mesh(mesh_shape), tuple(placements), tensor_meta=tensor_meta(t))
+
+
+def propagates(op: OpOverload, args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether torch's sharding propagation (both caches bypassed) finds a strategy for `op` on `args`, whose tensor
+    arguments are DTensorSpecs."""
+    return output_placements(op, args, kwargs) is not None
+
+
+def output_placements(op: OpOverload, args: tuple, kwargs: dict | None = None) -> tuple | None:
+    """The placements torch's sharding propagation (both caches bypassed) gives `op`'s first output for `args`
+    (tensor arguments as DTensorSpecs); None where it refuses (a RuntimeError or an assertion)."""
+    try:
+        with outside_simulated_ranks():
+            output = propagate_cold(OpSchema(op, tuple(args), dict(kwargs or {}))).output_spec
+    except (RuntimeError, AssertionError, KeyError):
+        return None
+    return (output[0] if isinstance(output, (tuple, list)) else output).placements
+
+
+def schema_info(op: OpOverload) -> RuntimeSchemaInfo | None:
+    """The runtime schema info torch registered with `op`'s strategy (which args are static, whether list args
+    hold tensors), as DTensor's dispatcher attaches it to the OpSchema it propagates."""
+    prop = propagator()
+    return prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)

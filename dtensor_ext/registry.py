@@ -236,15 +236,17 @@ def _keep_even_layouts_only(op: OpOverload) -> None:
 
 
 def _apply_torch_fixes(entries: list[RegistryEntry]) -> list[Callable[[], None]]:
-    from dtensor_ext.torch_fixes import declared_fixes
+    from dtensor_ext.torch_fixes import applied_ops, declared_fixes
 
     undos = []
     for fix in declared_fixes().values():
         undo = fix.apply()
         if undo is not None:
             undos.append(undo)
-        status = "not needed" if undo is None else "fixed"
-        entries.extend(RegistryEntry(op, "torch fix", status, None, fix.where) for op in fix.ops)
+        fixed = applied_ops(undo, fix.ops)
+        entries.extend(
+            RegistryEntry(op, "torch fix", "fixed" if op in fixed else "not needed", None, fix.where) for op in fix.ops
+        )
     return undos
 
 

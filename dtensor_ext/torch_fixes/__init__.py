@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from dtensor_ext import _compat
 from dtensor_ext._compat import OpOverload
 
-__all__ = ["TorchFix", "torch_fix", "declared_fixes", "replace_rule", "restorer", "undo_all", "swap_handlers"]
+__all__ = [
+    "TorchFix", "torch_fix", "declared_fixes", "replace_rule", "restorer", "undo_all", "swap_handlers", "applied_to",
+    "applied_ops",
+]
 
 Undo = Callable[[], None]
 
@@ -56,6 +59,25 @@ def declared_fixes() -> dict[str, TorchFix]:
     )
 
     return dict(_FIXES)
+
+
+def applied_to(ops: Iterable[OpOverload], undo: Undo) -> Undo:
+    """`undo`, marked with the ops the fix really changed, for a fix whose feature check finds the defect in only
+    some of its ops on the running torch (`registry()` reports the others "not needed")."""
+
+    def undo_marked():
+        undo()
+
+    undo_marked.ops = tuple(_compat.torch_op_names(op)[0] for op in ops)
+    return undo_marked
+
+
+def applied_ops(undo: Undo | None, declared: tuple[str, ...]) -> tuple[str, ...]:
+    """The ops a fix's apply() changed: none where it returned no undo, else those marked by `applied_to`, else all
+    it declares."""
+    if undo is None:
+        return ()
+    return getattr(undo, "ops", declared)
 
 
 def replace_rule(op: OpOverload, func: Callable, *, schema_info: _compat.RuntimeSchemaInfo | None = None) -> Undo:

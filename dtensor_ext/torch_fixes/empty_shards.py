@@ -3,8 +3,11 @@
 DTensor splits a sharded dim like `torch.chunk`, so 5 rows over 4 ranks are held as 2, 2, 1, 0 and one rank holds
 an empty shard; torch offers such layouts (its `is_tensor_shardable` only asks for size >= number of shards). Some
 local kernels raise on an empty input although the op's result on it is simply empty: the MKL FFTs
-(`_fft_c2c/_fft_r2c/_fft_c2r`), batch norm in training mode, `max`/`min` without a dim, `amax`/`amin`/`argmax`/
-`argmin` over an empty dim and `linalg_vector_norm` for orders without an identity (inf, negative). Where a
+(`_fft_c2c/_fft_r2c/_fft_c2r`; the 2.15 CPU FFT takes empty input), batch norm in training mode, pooling with no
+channels (max/avg pools, adaptive max pools, 3-D adaptive avg pool; 2.15's single-dim pooling rules shard the
+channel dim), `max`/`min` without a dim, `amax`/`amin`/`argmax`/`argmin` over an empty dim and
+`linalg_vector_norm` for orders without an identity (inf, negative). Each kernel is probed on its own, and
+`registry()` lists as fixed only the ops whose probe found the rejection. Where a
 feature check finds the running torch's CPU kernel rejecting an empty input, these ops' strategies lose exactly
 the layouts that leave some rank an empty shard of a dim the kernel needs non-empty; DTensor's cost model then
 picks the cheapest layout left (argmax/argmin, which torch runs through a custom handler, get their input moved
@@ -26,7 +29,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
-from dtensor_ext.torch_fixes import Undo, swap_handlers, torch_fix, undo_all
+from dtensor_ext.torch_fixes import Undo, applied_to, swap_handlers, torch_fix, undo_all
 from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy, wrap_strategies
 
 aten = torch.ops.aten
@@ -84,12 +87,24 @@ def _reduced_dims_without_identity(op_schema: OpSchema) -> tuple[int, ...]:
     return _reduced_dims(op_schema)
 
 
+def _non_batch_dims(spatial: int) -> GuardedDims:
+    """A pooling kernel takes an empty batch but no empty channel or spatial dim: the last `spatial` + 1 dims of
+    its input ([N,] C, *spatial)."""
+
+    def dims(op_schema: OpSchema) -> tuple[int, ...]:
+        ndim = _ndim(op_schema)
+        return tuple(range(max(ndim - spatial - 1, 0), ndim))
+
+    return dims
+
+
 def _no_rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.zeros(0, 4, dtype=dtype)
 
 
 def _no_channels(*batch_and_spatial: int) -> torch.Tensor:
-    """A batch norm input with 0 channels; without sizes, a per-channel vector (running stats) of 0 channels."""
+    """A batch norm or pooling input with 0 channels; without sizes, a per-channel vector (running stats) of 0
+    channels."""
     return torch.zeros(*batch_and_spatial[:1], 0, *batch_and_spatial[1:])
 
 
@@ -118,6 +133,36 @@ def kernels() -> dict:
                 _no_channels(2, 3), None, None, _no_channels(), _no_channels(), 0.1, 1e-5
             ),
             _every_dim_when_training,
+        ),
+        aten.avg_pool1d.default: EmptyRejecting(lambda: aten.avg_pool1d(_no_channels(1, 4), [2]), _non_batch_dims(1)),
+        aten.max_pool1d_with_indices.default: EmptyRejecting(
+            lambda: aten.max_pool1d_with_indices(_no_channels(1, 4), [2]), _non_batch_dims(1)
+        ),
+        aten.max_pool2d_with_indices.default: EmptyRejecting(
+            lambda: aten.max_pool2d_with_indices(_no_channels(1, 4, 4), [2, 2]), _non_batch_dims(2)
+        ),
+        aten.max_pool2d_with_indices_backward.default: EmptyRejecting(
+            lambda: aten.max_pool2d_with_indices_backward(
+                _no_channels(1, 2, 2), _no_channels(1, 4, 4), [2, 2], [2, 2], [0, 0], [1, 1], False,
+                _no_channels(1, 2, 2).long(),
+            ),
+            _non_batch_dims(2),
+        ),
+        aten.max_pool3d_with_indices.default: EmptyRejecting(
+            lambda: aten.max_pool3d_with_indices(_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
+        ),
+        aten.avg_pool2d.default: EmptyRejecting(lambda: aten.avg_pool2d(_no_channels(1, 4, 4), [2, 2]),
+                                                _non_batch_dims(2)),
+        aten.avg_pool3d.default: EmptyRejecting(lambda: aten.avg_pool3d(_no_channels(1, 2, 4, 4), [2, 2, 2]),
+                                                _non_batch_dims(3)),
+        aten.adaptive_max_pool2d.default: EmptyRejecting(
+            lambda: aten.adaptive_max_pool2d(_no_channels(1, 4, 4), [2, 2]), _non_batch_dims(2)
+        ),
+        aten.adaptive_max_pool3d.default: EmptyRejecting(
+            lambda: aten.adaptive_max_pool3d(_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
+        ),
+        aten._adaptive_avg_pool3d.default: EmptyRejecting(
+            lambda: aten._adaptive_avg_pool3d(_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
         ),
         aten.max.default: EmptyRejecting(lambda: aten.max(_no_rows()), _every_dim),
         aten.min.default: EmptyRejecting(lambda: aten.min(_no_rows()), _every_dim),
@@ -245,17 +290,22 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
         "aten::_fft_c2c.default", "aten::_fft_r2c.default", "aten::_fft_c2r.default",
         "aten::native_batch_norm.default", "aten::_native_batch_norm_legit.default",
         "aten::_native_batch_norm_legit.no_stats", "aten::_batch_norm_with_update.default",
+        "aten::avg_pool1d.default", "aten::max_pool1d_with_indices.default", "aten::max_pool2d_with_indices.default",
+        "aten::max_pool2d_with_indices_backward.default", "aten::max_pool3d_with_indices.default",
+        "aten::avg_pool2d.default", "aten::avg_pool3d.default", "aten::adaptive_max_pool2d.default",
+        "aten::adaptive_max_pool3d.default", "aten::_adaptive_avg_pool3d.default",
         "aten::max.default", "aten::min.default", "aten::amax.default", "aten::amin.default",
         "aten::argmax.default", "aten::argmin.default",
         "aten::linalg_vector_norm.default", "aten::norm.Scalar",
     ),
     why="torch keeps layouts where a rank holds an empty shard (5 over 4 ranks: 2,2,1,0) and the CPU kernel "
-    "(MKL FFT, batch norm training, max/min/amax/amin/argmax/argmin, inf/negative norms) raises on the empty input",
+    "(MKL FFT before 2.15, batch norm training, pooling of empty channels, max/min/amax/amin/argmax/argmin, "
+    "inf/negative norms) raises on the empty input",
 )
 def fix_empty_shards():
-    undos = [
-        undo
+    steered = {
+        op: undo
         for op, kernel in kernels().items()
         if rejects_empty_input(kernel) and (undo := _steer(op, kernel)) is not None
-    ]
-    return undo_all(undos) if undos else None
+    }
+    return applied_to(list(steered), undo_all(list(steered.values()))) if steered else None

@@ -14,7 +14,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Partial
-from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes import applied_to, torch_fix
 from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules
 
 aten = torch.ops.aten
@@ -53,4 +53,4 @@ def fix_fft_partials():
     faulty = [op for op in ffts if _compat.torch_strategy_kind(op) == "single_dim" and _offers_max(op)]
     if not faulty:
         return None
-    return wrap_single_dim_rules(faulty, _without_max_min)
+    return applied_to(faulty, wrap_single_dim_rules(faulty, _without_max_min))

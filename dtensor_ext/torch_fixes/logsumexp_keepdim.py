@@ -13,15 +13,18 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import DTensorSpec, OpSpec, OpStrategy, Replicate
+from dtensor_ext._compat import DTensorSpec, OpSpec, OpStrategy, Replicate, Shard
 from dtensor_ext.torch_fixes import torch_fix
 from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules, wrap_strategies
 
 aten = torch.ops.aten
 
 
-def _reads_keepdim_from_kwargs_only(source: str | None) -> bool:
-    return source is not None and 'kwargs_schema.get("keepdim"' in source and "args_schema[2]" not in source
+def _ignores_positional_keepdim(op) -> bool:
+    """Feature check: torch's placements for logsumexp(x, [0], True) of a [2, 2] `x` placed Shard(1) on a 2-rank
+    probe mesh differ from those for the same call with keepdim=True passed by keyword."""
+    x = _compat.probe_spec(torch.zeros(2, 2), (Shard(1),))
+    return _compat.output_placements(op, (x, [0], True)) != _compat.output_placements(op, (x, [0]), {"keepdim": True})
 
 
 def _keyword_keepdim(args, kwargs):
@@ -61,7 +64,7 @@ def _op_strategy(torch_strategy):
 )
 def fix_logsumexp_keepdim():
     op = aten.logsumexp.default
-    if not _reads_keepdim_from_kwargs_only(_compat.torch_strategy_source(op)):
+    if not _ignores_positional_keepdim(op):
         return None
     if _compat.torch_strategy_kind(op) == "single_dim":
         return wrap_single_dim_rules([op], _single_dim)

@@ -9,9 +9,10 @@ else; inputs without such a shard reach torch's strategy untouched.
   redistribute). A size-1 dim sharded over n ranks is whole on one rank and empty on the others; torch's
   `_ViewShardingPropagator` lets that shard survive analysis, then finds no output dim for it, and a bare
   `KeyError` surfaces as "RuntimeError: 1". The broadcast dim is replicated instead.
-- `unbind` (`_ops/_tensor_ops.py`, `gen_unbind_strategy`) raises "Attempted to unbind along the sharded
-  dimension" although `select`, `split` and `slice` on a sharded dim replicate it (torch marks the unbind
-  failures as a TODO). The unbind dim is replicated instead.
+- `unbind` (`_ops/_tensor_ops.py`: 2.13's `gen_unbind_strategy`, 2.15's single-dim rule, whose full-mesh filter
+  refuses any layout change) raises "Attempted to unbind along the sharded dimension" although `select`, `split`
+  and `slice` on a sharded dim replicate it. The unbind dim is replicated instead (on 2.15 the rule is expanded
+  for the replicated input, so its filter sees no layout change).
 
 Aliasing: like torch's `select`/`split`/`slice` on a sharded dim, the results then wrap a replicated copy, not the
 input's storage: an in-place change of the input afterwards does not reach them (on one device it would).
@@ -26,7 +27,7 @@ import torch
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate, Shard, StridedShard
 from dtensor_ext.torch_fixes import torch_fix
-from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
+from dtensor_ext.torch_fixes.strategy_swap import expand_single_dim, single_dim_as_op_strategy, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -49,7 +50,8 @@ def replicating_first(torch_strategy: Callable, dims_to_replicate: Callable[[OpS
         if not any(_is_shard_on(p, dims) for s in source.strategies for p in s.output_spec.placements):
             return torch_strategy(op_schema)
         replicated = OpStrategy([OpSpec(_replicated_on(s.output_spec, dims)) for s in source.strategies])
-        result = torch_strategy(OpSchema(op_schema.op, (replicated, *op_schema.args_schema[1:]), op_schema.kwargs_schema))
+        result = torch_strategy(OpSchema(op_schema.op, (replicated, *op_schema.args_schema[1:]), op_schema.kwargs_schema,
+                                         schema_info=op_schema.schema_info))
         for spec in result.strategies:
             spec.redistribute_cost = [_compat.redistribute_costs(source, spec.input_specs[0])]
         return result
@@ -104,4 +106,8 @@ def fix_unbind_sharded_dim():
     op = aten.unbind.int
     if not _compat.unbind_refuses_sharded_dim():
         return None
+    if _compat.torch_strategy_kind(op) == "single_dim":  # 2.15: the rule's full-mesh filter raises
+        return single_dim_as_op_strategy(
+            op, lambda rule: replicating_first(lambda op_schema: expand_single_dim(rule, op_schema), unbind_dim)
+        )
     return wrap_strategies([op], lambda torch_strategy: replicating_first(torch_strategy, unbind_dim))

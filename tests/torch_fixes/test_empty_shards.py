@@ -16,7 +16,7 @@ import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
-from dtensor_ext.torch_fixes import empty_shards
+from dtensor_ext.torch_fixes import declared_fixes, empty_shards
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -37,29 +37,45 @@ def _complex(*shape):
     return torch.complex(_real(*shape), _real(*shape) * 0.5)
 
 
-# (name, op on a tensor, global input): every kernel here raises on an empty input on this torch
-REJECTING = [
-    ("fft_c2c", torch.fft.fft, _complex(9, 6)),
-    ("fft_r2c", torch.fft.rfft, _real(9, 6)),
-    ("fft_c2r", torch.fft.irfft, _complex(9, 4)),
-    ("fft2", torch.fft.fft2, _real(9, 3, 4)),
-    ("fft_of_an_unsharded_dim", lambda x: torch.fft.fft(x, dim=0), _complex(6, 9)),
-    ("batch_norm_training", lambda x: F.batch_norm(x, None, None, training=True), _real(3, 9, 4)),
+# (name, op on a tensor, global input, the aten op whose kernel may reject an empty input)
+CASES = [
+    ("fft_c2c", torch.fft.fft, _complex(9, 6), "_fft_c2c"),
+    ("fft_r2c", torch.fft.rfft, _real(9, 6), "_fft_r2c"),
+    ("fft_c2r", torch.fft.irfft, _complex(9, 4), "_fft_c2r"),
+    ("fft2", torch.fft.fft2, _real(9, 3, 4), "_fft_r2c"),
+    ("fft_of_an_unsharded_dim", lambda x: torch.fft.fft(x, dim=0), _complex(6, 9), "_fft_c2c"),
+    ("batch_norm_training", lambda x: F.batch_norm(x, None, None, training=True), _real(3, 9, 4),
+     "native_batch_norm"),
     ("batch_norm_no_stats", lambda x: aten._native_batch_norm_legit.no_stats(x, None, None, True, 0.1, 1e-5),
-     _real(3, 9, 4)),
-    ("max", torch.max, _real(9, 3)),
-    ("min", torch.min, _real(9, 3)),
-    ("amax", torch.amax, _real(9, 3)),
-    ("amin_of_the_sharded_dim", lambda x: torch.amin(x, 0), _real(9, 3)),
-    ("argmax", torch.argmax, _real(9, 3)),  # torch runs these two through a custom handler, not a strategy
-    ("argmin_of_the_sharded_dim", lambda x: torch.argmin(x, 0), _real(9, 3)),
-    ("norm_inf", lambda x: torch.linalg.vector_norm(x, INF), _real(9, 3)),
-    ("norm_minus_inf", lambda x: torch.linalg.vector_norm(x, -INF), _real(9, 3)),
-    ("norm_minus_one", lambda x: torch.linalg.vector_norm(x, -1), _real(9, 3)),
+     _real(3, 9, 4), "_native_batch_norm_legit.no_stats"),
+    ("max_pool1d", lambda x: F.max_pool1d(x, 2), _real(2, 9, 6), "max_pool2d_with_indices"),
+    ("max_pool2d", lambda x: F.max_pool2d(x, 2), _real(1, 9, 4, 4), "max_pool2d_with_indices"),
+    ("max_pool3d", lambda x: F.max_pool3d(x, 2), _real(1, 9, 2, 4, 4), "max_pool3d_with_indices"),
+    ("avg_pool1d", lambda x: F.avg_pool1d(x, 2), _real(2, 9, 6), "avg_pool2d"),
+    ("avg_pool2d", lambda x: F.avg_pool2d(x, 2), _real(1, 9, 4, 4), "avg_pool2d"),
+    ("avg_pool3d", lambda x: F.avg_pool3d(x, 2), _real(1, 9, 2, 4, 4), "avg_pool3d"),
+    ("adaptive_max_pool2d", lambda x: F.adaptive_max_pool2d(x, 2), _real(1, 9, 4, 4), "adaptive_max_pool2d"),
+    ("max", torch.max, _real(9, 3), "max"),
+    ("min", torch.min, _real(9, 3), "min"),
+    ("amax", torch.amax, _real(9, 3), "amax"),
+    ("amin_of_the_sharded_dim", lambda x: torch.amin(x, 0), _real(9, 3), "amin"),
+    ("argmax", torch.argmax, _real(9, 3), "argmax"),  # torch runs these two through a custom handler
+    ("argmin_of_the_sharded_dim", lambda x: torch.argmin(x, 0), _real(9, 3), "argmin"),
+    ("norm_inf", lambda x: torch.linalg.vector_norm(x, INF), _real(9, 3), "linalg_vector_norm"),
+    ("norm_minus_inf", lambda x: torch.linalg.vector_norm(x, -INF), _real(9, 3), "linalg_vector_norm"),
+    ("norm_minus_one", lambda x: torch.linalg.vector_norm(x, -1), _real(9, 3), "linalg_vector_norm"),
 ]
-IDS = [name for name, _, _ in REJECTING]
-# the tensor dim each case shards: batch norm's kernel-friendly choice is the channel dim
-SHARDED_DIM = {"batch_norm_training": 1, "batch_norm_no_stats": 1, "fft_of_an_unsharded_dim": 1}
+IDS = [case[0] for case in CASES]
+# the tensor dim each case shards: batch norm's and pooling's kernel-friendly choice is the channel dim
+SHARDED_DIM = {"batch_norm_training": 1, "batch_norm_no_stats": 1, "fft_of_an_unsharded_dim": 1,
+               **{case[0]: 1 for case in CASES if "pool" in case[0]}}
+
+
+FIX = "layouts with empty shards the kernel rejects"
+
+
+def _op_name(name: str) -> str:
+    return f"aten::{name}" if "." in name else f"aten::{name}.default"
 
 
 def _run(fn, x, mesh, placements):
@@ -78,30 +94,42 @@ def _assert_matches(out, expected):
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 4)], ids=["1d4", "2x4"])
-@pytest.mark.parametrize("name,fn,x", REJECTING, ids=IDS)
-def test_torch_fails_and_the_fix_runs_it(name, fn, x, mesh_shape):
+@pytest.mark.parametrize("name,fn,x,op", CASES, ids=IDS)
+def test_torch_fails_where_the_kernel_rejects_empty_input_and_the_fix_runs_it(fixed_ops, name, fn, x, op, mesh_shape):
+    """Where the feature check finds the kernel rejecting an empty input, torch alone fails and the fix runs it;
+    where it does not (the 2.15 CPU FFT takes empty input), the fix is not applied and torch alone is right."""
     dim = SHARDED_DIM.get(name, 0)
     placements = [Shard(dim)] * len(mesh_shape)
     dtensor_ext.install(fix_torch=False)
-    kernel_errors = "MKL|at least one element|numel|norm on|non-zero size|no elements"
-    with simulated_mesh(mesh_shape) as mesh, pytest.raises((RuntimeError, IndexError), match=kernel_errors):
-        _run(fn, x, mesh, placements)
+    if _op_name(op) in fixed_ops[FIX]:
+        kernel_errors = "MKL|at least one element|numel|norm on|non-zero size|no elements|positive l|3D or 4D"
+        with simulated_mesh(mesh_shape) as mesh, pytest.raises((RuntimeError, IndexError), match=kernel_errors):
+            _run(fn, x, mesh, placements)
+    else:
+        with simulated_mesh(mesh_shape) as mesh:
+            _assert_matches(_run(fn, x, mesh, placements)[0], fn(x))
     dtensor_ext.install()
     with simulated_mesh(mesh_shape) as mesh:
         out, _ = _run(fn, x, mesh, placements)
         _assert_matches(out, fn(x))
 
 
-def test_feature_check_finds_every_kernel_rejecting_empty_input():
+def test_registry_lists_as_fixed_exactly_the_kernels_the_feature_check_finds_rejecting():
     kernels = empty_shards.kernels()
-    assert all(empty_shards.rejects_empty_input(kernels[op]) for op in kernels)
+    rejecting = {_compat.torch_op_names(op)[0] for op in kernels if empty_shards.rejects_empty_input(kernels[op])}
+    dtensor_ext.install()
+    where = declared_fixes()[FIX].where
+    statuses = {e.op: e.status for e in dtensor_ext.registry() if e.family == "torch fix" and e.where == where}
+    assert statuses.keys() == {_compat.torch_op_names(op)[0] for op in kernels}
+    assert {op for op, status in statuses.items() if status == "fixed"} == rejecting
     with _compat.fake_mode_of([]):  # install() under a fake mode still asks the real kernels
-        assert all(empty_shards.rejects_empty_input(kernels[op]) for op in kernels)
+        assert {_compat.torch_op_names(op)[0] for op in kernels if empty_shards.rejects_empty_input(kernels[op])} \
+            == rejecting
 
 
-@pytest.mark.parametrize("name,fn,x", [c for c in REJECTING if c[0] in ("fft_c2c", "fft_r2c", "max", "norm_inf")],
+@pytest.mark.parametrize("name,fn,x,op", [c for c in CASES if c[0] in ("fft_c2c", "fft_r2c", "max", "norm_inf")],
                          ids=["fft_c2c", "fft_r2c", "max", "norm_inf"])
-def test_partial_inputs(name, fn, x):
+def test_partial_inputs(name, fn, x, op):
     """Partial(sum) on one mesh dim, an empty shard on the other (9 rows over 4)."""
     with simulated_mesh((2, 4)) as mesh:
         out, _ = _run(fn, x, mesh, [Partial(), Shard(0)])
@@ -109,7 +137,7 @@ def test_partial_inputs(name, fn, x):
 
 
 def test_fast_propagation_also_avoids_the_empty_shard():
-    name, fn, x = REJECTING[0]
+    name, fn, x, op = CASES[0]
     dtensor_ext.install(fast_propagation=True)
     try:
         with simulated_mesh((4,)) as mesh:

@@ -14,14 +14,16 @@ def _values(t) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("reduce_op", ["max", "min"])
-def test_rfft_of_a_partial_max(fix_state, reduce_op):
+def test_rfft_of_a_partial_max(fixed_ops, fix_state, reduce_op):
+    """Where the feature check finds Partial(max/min) among torch's rows, torch alone claims it for the complex
+    output and reducing it fails (the message differs between releases); the fix reduces the input first."""
     torch.manual_seed(0)
     x = torch.randn(4, 6)
     with simulated_mesh((2,)) as mesh:
         out = torch.fft.rfft(place_dtensor(x, mesh, [Partial(reduce_op)]))
-        if fix_state == "torch only":
+        if fix_state == "torch only" and "aten::_fft_r2c.default" in fixed_ops["FFT passes Partial(max/min) through"]:
             assert out.placements == (Partial(reduce_op),)  # claimed; reducing a complex max then fails
-            with pytest.raises(RuntimeError, match="does not support complex"):
+            with pytest.raises(RuntimeError):
                 out.full_tensor()
             return
         assert out.placements == (Replicate(),)
