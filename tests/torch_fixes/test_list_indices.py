@@ -84,7 +84,7 @@ def test_a_plain_tensor_index_or_value_is_taken_as_replicated(restore_install):
     for fix in (False, True):
         dtensor_ext.install(fix_torch=fix)
         with simulated_mesh((2,)) as mesh:
-            dx, dperm = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(perm, mesh, [Shard(0)])
+            dx, dperm = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(perm, mesh, [Replicate()])
             dinverse = torch.empty_like(dperm)
             if not fix:  # torch alone refuses the plain tensor
                 with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
