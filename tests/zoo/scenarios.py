@@ -43,6 +43,9 @@ class Step:
     batch: int = 4
     seq: int = 16
     dtype: torch.dtype = torch.float32
+    # a 4-D causal mask built here: eager attention needs one; so does compiled code under sequence parallelism,
+    # where HF would build it from the sequence-sharded activation's length
+    explicit_mask: bool = False
 
     def build(self):
         return tiny_model(self.model, attn_implementation=self.attention, dtype=self.dtype)
@@ -52,7 +55,7 @@ class Step:
         mask as given; the one it builds itself is a plain tensor, which cannot meet DTensor activations)."""
         input_ids, labels = sample_batch(self.batch, self.seq)
         inputs = {"input_ids": input_ids, "labels": labels, "position_ids": torch.arange(self.seq).repeat(self.batch, 1)}
-        if self.attention == "eager":
+        if self.attention == "eager" or self.explicit_mask:
             blocked = torch.ones(self.seq, self.seq, dtype=torch.bool).triu(1)
             mask = torch.zeros(self.seq, self.seq, dtype=self.dtype).masked_fill(blocked, torch.finfo(self.dtype).min)
             inputs["attention_mask"] = mask.expand(self.batch, 1, self.seq, self.seq).contiguous()
