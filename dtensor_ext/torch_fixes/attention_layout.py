@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext.torch_fixes import swap_handlers, torch_fix
+from dtensor_ext.torch_fixes import generic_dispatch, swap_handlers, torch_fix
 
 aten = torch.ops.aten
 
@@ -51,9 +51,7 @@ def _layouts_kept(local_results, output_spec):
 
 
 def attention_with_true_strides(op_call, args, kwargs):
-    op_info, sharding, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
-    local = op_call(*op_info.local_args, **op_info.local_kwargs)
-    return _compat.wrap_local_results(_layouts_kept(local, sharding.output_spec), sharding.output_spec)
+    return generic_dispatch(op_call, args, kwargs, local_results=_layouts_kept)
 
 
 def _cpu_kernel_layout_follows_inputs() -> bool:
