@@ -780,3 +780,20 @@ def schema_info(op: OpOverload) -> RuntimeSchemaInfo | None:
     hold tensors), as DTensor's dispatcher attaches it to the OpSchema it propagates."""
     prop = propagator()
     return prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)
+
+
+# --- hf (issue 14: model zoo, losses, coverage) ---
+from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial  # noqa: E402
+
+
+def output_meta_computer() -> Callable:
+    """The function DTensor's propagator calls to derive an op's global output metadata from fake inputs."""
+    return propagator()._propagate_tensor_meta_non_cached
+
+
+def set_output_meta_computer(compute: Callable | None) -> None:
+    """Make `compute(op_schema)` the propagator's output-metadata function (None: back to its class's own)."""
+    if compute is None:
+        vars(propagator()).pop("_propagate_tensor_meta_non_cached", None)
+    else:
+        propagator()._propagate_tensor_meta_non_cached = compute

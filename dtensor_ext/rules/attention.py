@@ -2,8 +2,8 @@
 
 Attention is independent per (batch, head): softmax(q k^T * scale + mask) v never mixes two batch entries or
 two heads, so sharding q, k, v, the output and the logsumexp alike on the batch dim or on the heads dim needs no
-communication (heads only when q and k have as many heads: grouped-query attention maps query heads onto fewer
-key heads). The CPU kernel, which runs here, is also proven on two more splits:
+communication (heads only when q and k have as many heads, or, for the even-only CPU kernel, under grouped-query
+attention: query head i reads key head i // (q heads / k heads), so equal even shards keep each group together). The CPU kernel, which runs here, is also proven on two more splits:
 
 * query rows: each query attends to all keys on its own, so q, the output and the logsumexp split along the
   query sequence with k and v whole; in the backward the key and value gradients are then partial sums over
@@ -62,10 +62,12 @@ def _follow(meta, dim: int, rank: int = 4):
     return R() if d < 0 or meta.shape[d] == 1 else S(d)
 
 
-def batch_head_splits(query, key, layout: Layout, mask=None) -> list[Split]:
-    """Batch and heads: every role split alike (heads only without grouped-query attention)."""
+def batch_head_splits(query, key, layout: Layout, mask=None, *, even_only: bool = False) -> list[Split]:
+    """Batch and heads: every role split alike. With grouped-query attention (query head i reads key head
+    i // group) a heads split keeps each query head with its key head only where every shard is even."""
+    q_heads, k_heads = query.shape[layout.heads], key.shape[layout.heads]
     splits = []
-    roles = [("batch", True), ("heads", query.shape[layout.heads] == key.shape[layout.heads])]
+    roles = [("batch", True), ("heads", q_heads == k_heads or even_only and k_heads and q_heads % k_heads == 0)]
     for role, allowed in roles:
         if not allowed:
             continue
@@ -89,7 +91,7 @@ def _present(*metas):
 def _cpu_splits(query, key, dropout_p, is_causal, mask):
     if dropout_p:
         return []
-    splits = batch_head_splits(query, key, BHLE, mask)
+    splits = batch_head_splits(query, key, BHLE, mask, even_only=True)
     if not is_causal:
         splits.append(query_row_split(BHLE, mask))
     return splits

@@ -17,8 +17,8 @@ from dtensor_ext import _compat
 from dtensor_ext._compat import OpOverload
 
 __all__ = [
-    "TorchFix", "torch_fix", "declared_fixes", "replace_rule", "restorer", "undo_all", "swap_handlers", "applied_to",
-    "applied_ops",
+    "TorchFix", "torch_fix", "declared_fixes", "generic_dispatch", "replace_rule", "restorer", "undo_all",
+    "swap_handlers", "applied_to", "applied_ops",
 ]
 
 Undo = Callable[[], None]
@@ -53,8 +53,10 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
 def declared_fixes() -> dict[str, TorchFix]:
     # imported (so applied) in this order: fft_linearity edits the FFT rules that empty_shards then wraps
     from dtensor_ext.torch_fixes import (  # noqa: F401  (declares the fixes)
-        allclose, conv_handlers, copy_variants, embedding_rows, fft_linearity, empty_shards, empty_views,
-        infeasible_choice, inplace_copy, inplace_shift, list_indices, logsumexp_keepdim, losses, partial_fill,
+        allclose, attention_layout, conv_handlers, copy_variants, embedding_rows, fft_linearity, empty_shards, empty_views,
+        grouped_mm_meta, infeasible_choice, inplace_copy, inplace_shift, list_indices, logsumexp_keepdim, losses, mask_partial_reads,
+        mean_as_sum,
+        partial_fill,
         replicate_first, segment_reduce, shard_to_partial,
     )
 
@@ -113,3 +115,13 @@ def swap_handlers(handlers: dict[OpOverload, Callable]) -> Undo:
             _compat.set_custom_op_handler(op, handler)
 
     return undo
+
+
+def generic_dispatch(op_call: OpOverload, args: tuple, kwargs: dict, *, local_results: Callable | None = None):
+    """What DTensor's generic path does (propagate, redistribute, run the local kernel, wrap), for handlers that
+    take only some calls; `local_results(local, output_spec)` may adjust the local results before wrapping."""
+    op_info, sharding, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    local = op_call(*op_info.local_args, **op_info.local_kwargs)
+    if local_results is not None:
+        local = local_results(local, sharding.output_spec)
+    return _compat.wrap_local_results(local, sharding.output_spec)

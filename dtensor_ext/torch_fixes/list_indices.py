@@ -1,10 +1,12 @@
-"""Indexing a DTensor with a Python list of ints (`x[[1, 2]]`, `x[[0, 2], [1, 3]]`, `x[[1, 2]] = v`).
+"""Indexing a DTensor with a Python list of ints or a plain tensor (`x[[1, 2]]`, `x[idx]`, `x[perm] = arange(n)`).
 
-torch turns such a list into an index tensor in C++ (`Tensor.__getitem__` / `__setitem__`) and passes it to
+torch turns a list into an index tensor in C++ (`Tensor.__getitem__` / `__setitem__`) and passes it to
 `aten.index` / `aten.index_put_` next to the DTensor; DTensor refuses any plain tensor of more than one element
 ("got mixed torch.Tensor and DTensor"), so a list of one int works and a list of two fails. The list is Python
 data every rank holds, like an int or a slice index, so the fix turns it into a replicated DTensor index before
-torch does; a plain tensor index the user passes is left to DTensor's refusal.
+torch does. A plain tensor in an indexing expression is taken the same way: SPMD code computes it alike on every
+rank, as it does an int or a slice (Hugging Face's MoE routing writes `inv_perm[perm] = torch.arange(n)` into a
+DTensor); a plain tensor next to a DTensor in any other op is still refused.
 """
 
 from __future__ import annotations
@@ -24,21 +26,30 @@ def _is_index_list(part: Any) -> bool:
     return type(part) is list and bool(part) and all(type(i) is int for i in part)
 
 
-def _replicated(like: DTensor, part: list) -> DTensor:
-    local = torch.tensor(part, device=like.device)
+def _is_plain_tensor(part: Any) -> bool:
+    return isinstance(part, torch.Tensor) and not isinstance(part, DTensor)
+
+
+def _replicated(like: DTensor, part: list | torch.Tensor) -> DTensor:
+    local = part.to(like.device) if isinstance(part, torch.Tensor) else torch.tensor(part, device=like.device)
     return DTensor.from_local(local, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
+
+
+def _replicated_if_rank_data(like: DTensor, part: Any) -> Any:
+    return _replicated(like, part) if _is_index_list(part) or _is_plain_tensor(part) else part
 
 
 def _with_replicated_lists(self: DTensor, index: Any) -> Any:
     if isinstance(index, tuple):
-        return tuple(_replicated(self, p) if _is_index_list(p) else p for p in index)
-    return _replicated(self, index) if _is_index_list(index) else index
+        return tuple(_replicated_if_rank_data(self, p) for p in index)
+    return _replicated_if_rank_data(self, index)
 
 
 @torch_fix(
-    "DTensor indexing with a Python list",
+    "DTensor indexing with a Python list or a plain tensor",
     ops=("aten::index.Tensor", "aten::index_put_.default"),
-    why="x[[1, 2]] on a DTensor fails: torch makes the list a plain index tensor, which DTensor refuses as mixed",
+    why="x[[1, 2]], x[plain_index] and x[i] = plain_value on a DTensor fail: DTensor refuses the plain tensor torch "
+    "passes next to it",
 )
 def fix_list_indices():
     if "__getitem__" in vars(DTensor) or "__setitem__" in vars(DTensor):
@@ -48,7 +59,7 @@ def fix_list_indices():
         return torch.Tensor.__getitem__(self, _with_replicated_lists(self, index))
 
     def setitem(self, index, value):
-        return torch.Tensor.__setitem__(self, _with_replicated_lists(self, index), value)
+        return torch.Tensor.__setitem__(self, _with_replicated_lists(self, index), _replicated_if_rank_data(self, value))
 
     DTensor.__getitem__, DTensor.__setitem__ = getitem, setitem
 

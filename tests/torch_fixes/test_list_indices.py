@@ -75,9 +75,22 @@ def test_indices_torch_already_handled_keep_placements_and_collectives(restore_i
     assert seen[True] == seen[False]
 
 
-def test_a_plain_tensor_index_is_still_refused(restore_install):
-    dtensor_ext.install()
+def test_a_plain_tensor_index_or_value_is_taken_as_replicated(restore_install):
+    """Issue 14: HF's MoE routing does `inv_perm[perm] = torch.arange(n)`; plain index tensors index like lists."""
     x, index = sample_tensor((5, 5)), torch.tensor([1, 2])
-    with simulated_mesh((2,)) as mesh:
-        with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
-            distribute_tensor(x, mesh, [Shard(0)])[index]
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(5)
+    for fix in (False, True):
+        dtensor_ext.install(fix_torch=fix)
+        with simulated_mesh((2,)) as mesh:
+            dx, dperm = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(perm, mesh, [Replicate()])
+            dinverse = torch.empty_like(dperm)
+            if not fix:  # torch alone refuses the plain tensor
+                with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
+                    dx[index]
+                continue
+            torch.testing.assert_close(dx[index].full_tensor(), x[index])
+            torch.testing.assert_close(dx[index, index].full_tensor(), x[index, index])
+            dinverse[dperm] = torch.arange(5)
+            torch.testing.assert_close(dinverse.full_tensor(), inverse)
