@@ -48,7 +48,8 @@ def main() -> None:
     expected.sum().backward()
 
     with simulated_mesh((4,)) as mesh:
-        plan = parallelize(model, mesh, (tokens,), constraints=TP_SP_YAML)
+        parallelize(model, mesh, (tokens,), constraints=TP_SP_YAML)
+        plan = model.policy_plan
         print(plan)
         out = model(tokens)
         out.sum().backward()
@@ -61,7 +62,8 @@ def main() -> None:
     moe_reference.load_state_dict(moe.state_dict())
     x = torch.randn(6, 8)
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(moe, mesh, (x,), constraints=MOE_YAML)
+        parallelize(moe, mesh, (x,), constraints=MOE_YAML)
+        plan = moe.policy_plan
         print(f"\n{plan}")
         error = _max_error(moe(x), moe_reference(x))
     seen = ", ".join(f"{s.signature} in {s.module} saw {s.input_placements}" for s in plan.enforcer.seen)

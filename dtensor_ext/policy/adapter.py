@@ -18,7 +18,7 @@ from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
-from dtensor_ext.policy.styles import StyleSpec, infer_module_plan, module_style_kind
+from dtensor_ext.policy.styles import ChosenStyle, StyleSpec, infer_module_plan, module_style_kind
 
 __all__ = ["Plan", "PolicyConfig", "build_plan", "parallelize"]
 
@@ -63,7 +63,9 @@ class Plan:
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)} "
                  f"({len(self.graph)} traced ops)"]
         lines.append("  module plan:" if self.module_styles else "  module plan: (none)")
-        lines += [f"    {fqn}: {spec}" for fqn, spec in self.module_styles.items()]
+        for fqn, spec in self.module_styles.items():
+            lines.append(f"    {fqn}: {spec}")
+            lines += [f"      # {spec.why}"] if spec.why else []
         lines.append("  op constraints:" if self.op_constraints else "  op constraints: (none)")
         lines += [f"    {c.describe()}" for c in self.op_constraints]
         if self.recompute_groups:
@@ -100,10 +102,12 @@ def build_plan(
     policy: Callable | None = None,
     cfg: object = None,
     warn_unused: bool = False,
+    strict: bool = False,
 ) -> Plan:
     """Trace ``model(*example_inputs)`` and turn YAML constraints (a path, a YAML string or Constraint objects)
     or a ``policy(graph, cfg)`` generator of OpPlans into a Plan. Unused constraints are errors unless
-    ``warn_unused``."""
+    ``warn_unused``. A column-parallel output gathered where a row-parallel consumer would keep it sharded
+    warns (PlanWarning), or raises PolicyError under ``strict``."""
     if (constraints is None) == (policy is None):
         raise PolicyError("build_plan", "constraints/policy", "both" if policy else "neither",
                           "exactly one of constraints= (YAML) or policy= (a generator of OpPlan)")
@@ -124,12 +128,12 @@ def build_plan(
         if styled is not None and decision.node.fqn in chosen:
             raise PolicyError(decision.source, "op", str(decision.node),
                               f"one partitioned op per module; module {decision.node.fqn!r} already runs "
-                              f"{chosen[decision.node.fqn][2]} with a ParallelStyle")
+                              f"{chosen[decision.node.fqn].node} with a ParallelStyle")
         if styled is not None:
             chosen[decision.node.fqn] = styled
         else:
             free.append(decision)
-    plan = Plan(mesh, graph, infer_module_plan(graph, chosen), _op_constraints(graph, free),
+    plan = Plan(mesh, graph, infer_module_plan(graph, chosen, strict=strict), _op_constraints(graph, free),
                 recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks)
     return plan
 
@@ -229,8 +233,8 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
     return [decisions[i] for i in sorted(decisions)], recompute_ids, stage_ids, list(hooks)
 
 
-def _module_style(graph: GraphView, d: _Decision, chosen: dict):
-    """(kind, sequence dim, op, source) where the decision is a ParallelStyle of the op's module, else None.
+def _module_style(graph: GraphView, d: _Decision, chosen: dict[str, ChosenStyle]) -> ChosenStyle | None:
+    """The ParallelStyle kind of the op's module where the decision is one, else None.
 
     Where both column- and row-parallel are allowed, pair them as Megatron does: row-parallel when the op's
     input derives from a column-parallel output (already sharded on features), column-parallel otherwise."""
@@ -244,15 +248,22 @@ def _module_style(graph: GraphView, d: _Decision, chosen: dict):
                           f"a partition of {d.node} that a ParallelStyle implements: {listed}")
     by_kind = {kind: (kind, seq) for kind, seq in reversed(options)}
     if "colwise" in by_kind and "rowwise" in by_kind:
-        colwise_ops = {node.index for kind, _, node, _ in chosen.values() if kind == "colwise"}
-        pick = "rowwise" if _derives_from(graph, d.node.input_ids[0], colwise_ops, chosen) else "colwise"
-        return (*by_kind[pick], d.node, d.source)
-    return (*options[0], d.node, d.source)
+        colwise = {c.node.index: fqn for fqn, c in chosen.items() if c.kind == "colwise"}
+        source = _derives_from(graph, d.node.input_ids[0], colwise, chosen)
+        if source is not None:
+            return ChosenStyle("rowwise", d.node, d.source,
+                               why=f"rowwise: input from colwise {source}")
+        return ChosenStyle("colwise", d.node, d.source,
+                           why="colwise: input from no colwise linear")
+    kind, seq = options[0]
+    allowed = ", ".join(f"'{i},{dim}'" for i, dim in d.allowed)
+    return ChosenStyle(kind, d.node, d.source, seq, why=f"{kind}: the only style {allowed} allows")
 
 
-def _derives_from(graph: GraphView, tensor_id: int | None, targets: set[int], chosen: dict) -> bool:
-    """Whether the tensor is computed from one of the `targets` ops through ops that are not module styles."""
-    styled = {node.index for _, _, node, _ in chosen.values()}
+def _derives_from(graph: GraphView, tensor_id: int | None, targets: dict[int, str],
+                  chosen: dict[str, ChosenStyle]) -> str | None:
+    """The module of a `targets` op the tensor is computed from, through ops that are not module styles."""
+    styled = {c.node.index for c in chosen.values()}
     todo, seen = [tensor_id] if tensor_id is not None else [], set()
     while todo:
         producer = graph.producer(todo.pop())
@@ -260,10 +271,10 @@ def _derives_from(graph: GraphView, tensor_id: int | None, targets: set[int], ch
             continue
         seen.add(producer.index)
         if producer.index in targets:
-            return True
+            return targets[producer.index]
         if producer.index not in styled:
-            todo.extend(i for i in producer.input_ids if i is not None)
-    return False
+            todo.extend(producer.operand_ids)
+    return None
 
 
 def _op_constraints(graph: GraphView, free: list[_Decision]) -> list[OpConstraint]:
@@ -290,12 +301,14 @@ def parallelize(
     policy: Callable | None = None,
     cfg: object = None,
     warn_unused: bool = False,
+    strict: bool = False,
     plan: Plan | None = None,
-) -> Plan:
-    """Build the plan (unless given) and apply it in place: ParallelStyles, op constraints, hooks, recompute."""
+) -> torch.nn.Module:
+    """Build the plan (unless given) and apply it in place: ParallelStyles, op constraints, hooks, recompute.
+    Returns the module, as torch's ``parallelize_module`` does; the applied plan is ``model.policy_plan``."""
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
-                          warn_unused=warn_unused)
+                          warn_unused=warn_unused, strict=strict)
     if plan.module_styles and mesh.ndim != 1:
         raise PolicyError("parallelize", "mesh", tuple(mesh.shape),
                           "a 1-D mesh for ParallelStyles (pass one dimension of a larger mesh, e.g. mesh['tp'])")
@@ -311,4 +324,5 @@ def parallelize(
         if post is not None:
             module.register_forward_hook(post)
     apply_recompute(model, plan.recompute_groups)
-    return plan
+    model.policy_plan = plan
+    return model

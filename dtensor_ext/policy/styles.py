@@ -9,6 +9,8 @@ output that reaches no row-parallel linear is gathered.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode
 
-__all__ = ["StyleSpec", "module_style_kind", "infer_module_plan"]
+__all__ = ["ChosenStyle", "PlanWarning", "StyleSpec", "module_style_kind", "infer_module_plan"]
 
 _TORCH_STYLES = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
                  "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput}
@@ -36,6 +38,7 @@ class StyleSpec:
 
     style: str
     kwargs: dict[str, object] = field(default_factory=dict)
+    why: str = field(default="", compare=False)
 
     def build(self):
         return _TORCH_STYLES[self.style](**self.kwargs)
@@ -78,25 +81,33 @@ def module_style_kind(node: OpNode, graph: GraphView) -> dict[tuple[int, int], t
 
 
 @dataclass
-class _Styled:
+class ChosenStyle:
+    """A module op's style kind ('colwise', 'rowwise', 'sequence') and why; layouts are filled in from the
+    dataflow by infer_module_plan."""
+
     kind: str
     node: OpNode
     source: str
     seq_dim: int | None = None
+    why: str = ""
     input_layout: object = None
     output_layout: object = None
 
 
-def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None, OpNode, str]]) -> dict[str, StyleSpec]:
-    """`chosen`: module fqn -> (kind, sequence dim, op, source of the decision). Returns the module plan in
-    execution order."""
-    styled = {fqn: _Styled(kind, node, source, seq) for fqn, (kind, seq, node, source) in chosen.items()}
+class PlanWarning(UserWarning):
+    """The plan moves more data than a column/row pairing the constraints could allow would."""
+
+
+def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: bool = False) -> dict[str, StyleSpec]:
+    """`chosen`: module fqn -> its style kind. Returns the module plan in execution order; a gather that a
+    row-parallel consumer would avoid warns (PolicyError under `strict`)."""
+    styled = {fqn: dataclasses.replace(c) for fqn, c in chosen.items()}
     by_node = {s.node.index: s for s in styled.values()}
     seq_dims = {s.seq_dim for s in styled.values() if s.kind == "sequence"}
     seq_dim = min(seq_dims) if seq_dims else None
 
-    def reached(tensor_ids) -> list[_Styled]:
-        """Styled ops reached from these tensors through free ops."""
+    def reached(tensor_ids) -> list[OpNode]:
+        """The styled ops and the unstyled linears reached from these tensors through free ops."""
         found, todo, seen = [], list(tensor_ids), set()
         while todo:
             tid = todo.pop()
@@ -104,18 +115,25 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None,
                 if consumer.index in seen:
                     continue
                 seen.add(consumer.index)
-                if consumer.index in by_node:
-                    found.append(by_node[consumer.index])
+                if consumer.index in by_node or consumer.signature == "torch.nn.functional.linear":
+                    found.append(consumer)
                 else:
                     todo.extend(consumer.output_ids)
         return found
 
     for s in styled.values():
-        downstream = {r.kind for r in reached(s.node.output_ids)}
-        if s.kind == "rowwise" and seq_dim is not None and "sequence" in downstream:
+        downstream = reached(s.node.output_ids)
+        kinds = {by_node[n.index].kind for n in downstream if n.index in by_node}
+        if s.kind == "rowwise" and seq_dim is not None and "sequence" in kinds:
             s.output_layout = Shard(seq_dim)
-        if s.kind == "colwise" and "rowwise" not in downstream:
+            norm = next(n for n in downstream if n.index in by_node and by_node[n.index].kind == "sequence")
+            s.why += f"; output Shard({seq_dim}) for SP {norm.fqn}"
+        if s.kind == "colwise" and "rowwise" not in kinds:
             s.output_layout = Replicate()
+            blockers = [n for n in downstream if n.index not in by_node or by_node[n.index].kind == "colwise"]
+            s.why += "; output gathered: no rowwise linear follows"
+            if blockers:
+                _warn_gather(s, blockers, by_node, strict)
 
     def seq_sharded(tid: int | None, depth: int = 0) -> bool:
         producer = graph.producer(tid) if tid is not None else None
@@ -136,12 +154,13 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None,
                               "its input (e.g. the embedding as '1,0') or do not partition this norm")
         if s.kind == "colwise" and seq_sharded(activation):
             s.input_layout = Shard(seq_dim)
+            s.why += f"; input Shard({seq_dim}) gathered here"
 
     plan: dict[str, StyleSpec] = {}
     for fqn, call in graph.module_calls.items():
         if not fqn or fqn in styled:
             continue
-        hoisted = []
+        hoisted, readers = [], 0
         for tid in call.arg_ids:
             inside = [c for c in graph.consumers(tid) if c.fqn == fqn or c.fqn.startswith(fqn + ".")] if tid else []
             hoist = (tid is not None and bool(inside) and seq_sharded(tid)
@@ -149,21 +168,36 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None,
                              and by_node[c.index].input_layout is not None for c in inside))
             hoisted.append(hoist)
             if hoist:
+                readers += len(inside)
                 for c in inside:
                     by_node[c.index].input_layout = None
+                    by_node[c.index].why = by_node[c.index].why.replace(
+                        f"; input Shard({seq_dim}) gathered here", f"; input gathered by {fqn}")
         if any(hoisted):
             plan[fqn] = StyleSpec("PrepareModuleInput", {
                 "input_layouts": tuple(Shard(seq_dim) if h else None for h in hoisted),
-                "desired_input_layouts": tuple(Replicate() if h else None for h in hoisted)})
+                "desired_input_layouts": tuple(Replicate() if h else None for h in hoisted)},
+                why=f"one all-gather for {readers} colwise readers")
     for fqn, s in styled.items():
         plan[fqn] = _spec(s)
     order = {fqn: i for i, fqn in enumerate(graph.module_calls)}
     return dict(sorted(plan.items(), key=lambda item: order[item[0]]))
 
 
-def _spec(s: _Styled) -> StyleSpec:
+def _warn_gather(s: ChosenStyle, blockers: list[OpNode], by_node: dict[int, ChosenStyle], strict: bool) -> None:
+    """A column-parallel output gathered before a linear: that linear, row-parallel, would keep it sharded."""
+    names = ", ".join(f"{n.fqn} ({'column-parallel' if n.index in by_node else 'not partitioned'})"
+                      for n in blockers)
+    message = (f"{s.node.fqn}: ColwiseParallel output is all-gathered because the linear(s) it feeds are not "
+               f"row-parallel: {names}; allowing '1,1' (RowwiseParallel) there keeps it sharded")
+    if strict:
+        raise PolicyError(s.source, "allowed_partition_dims", s.node.fqn, message)
+    warnings.warn(message, PlanWarning, stacklevel=4)
+
+
+def _spec(s: ChosenStyle) -> StyleSpec:
     if s.kind == "sequence":
-        return StyleSpec("SequenceParallel", {"sequence_dim": s.seq_dim} if s.seq_dim != 1 else {})
+        return StyleSpec("SequenceParallel", {"sequence_dim": s.seq_dim} if s.seq_dim != 1 else {}, s.why)
     kwargs = {}
     if s.input_layout is not None:
         kwargs["input_layouts"] = s.input_layout
@@ -171,4 +205,4 @@ def _spec(s: _Styled) -> StyleSpec:
         kwargs["input_layouts"] = Replicate()
     if s.output_layout is not None:
         kwargs["output_layouts"] = s.output_layout
-    return StyleSpec("ColwiseParallel" if s.kind == "colwise" else "RowwiseParallel", kwargs)
+    return StyleSpec("ColwiseParallel" if s.kind == "colwise" else "RowwiseParallel", kwargs, s.why)

@@ -48,7 +48,8 @@ def test_llama_tp_sp_matches_single_device(form):
     tokens = torch.randint(0, 32, (2, 8))
     source = {"constraints": LLAMA_TP_YAML} if form == "yaml" else {"policy": llama_tp_policy}
     with simulated_mesh((4,)) as mesh:
-        plan = parallelize(model, mesh, (tokens,), **source)
+        parallelize(model, mesh, (tokens,), **source)
+        plan = model.policy_plan
         assert model.layers["0"].attention.wq.weight.placements == (Shard(0),)
         assert model.layers["1"].feed_forward.w2.weight.placements == (Shard(1),)
         assert len(plan.module_styles) == 25
@@ -59,10 +60,11 @@ def test_mlp_tensor_parallel_without_sequence_parallel():
     model, reference = _copies(MLP)
     x = torch.randn(3, 5, 8)
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (x,), constraints="""\
+        parallelize(model, mesh, (x,), constraints="""\
 - name: torch.nn.functional.linear
   allowed_partition_dims: ["1,0", "0,-1"]
 """)
+        plan = model.policy_plan
         assert {k: str(v) for k, v in plan.module_styles.items()} == {
             "up": "ColwiseParallel()", "down": "RowwiseParallel()"}
         _check_forward_and_grads(model, reference, (x,))
@@ -82,7 +84,8 @@ def test_moe_sum_runs_expert_sharded(form, mesh_shape):
     x = torch.randn(6, 8)
     source = {"constraints": MOE_YAML} if form == "yaml" else {"policy": _moe_policy(OpPartition(0, 0))}
     with simulated_mesh(mesh_shape) as mesh:
-        plan = parallelize(model, mesh, (x,), **source)
+        parallelize(model, mesh, (x,), **source)
+        plan = model.policy_plan
         _check_forward_and_grads(model, reference, (x,))
     # one forward: the root's x.sum() (also torch.sum) lies outside MoE and is left alone
     assert [(s.signature, s.module, s.input_placements) for s in plan.enforcer.seen] == [
@@ -93,7 +96,8 @@ def test_replica_allowed_true_keeps_replicated_input():
     model, reference = _copies(MoEModel)
     x = torch.randn(6, 8)
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (x,), constraints=MOE_YAML.replace("false", "true"))
+        parallelize(model, mesh, (x,), constraints=MOE_YAML.replace("false", "true"))
+        plan = model.policy_plan
         _check_forward_and_grads(model, reference, (x,))
     assert plan.enforcer.seen[0].input_placements == ((Replicate(),),)
 
@@ -102,7 +106,8 @@ def test_policy_none_replicates_the_op():
     model, reference = _copies(MoEModel)
     x = torch.randn(6, 8)
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (x,), policy=_moe_policy(None))
+        parallelize(model, mesh, (x,), policy=_moe_policy(None))
+        plan = model.policy_plan
         _check_forward_and_grads(model, reference, (x,))
     assert plan.enforcer.seen[0].input_placements == ((Replicate(),),)
 
@@ -154,7 +159,8 @@ def test_recompute_groups_checkpoint_whole_layers():
             yield OpPlan(op, recompute_id=int(op.fqn.split(".")[1]) if op.fqn.startswith("layers.") else -1)
 
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (tokens,), policy=policy)
+        parallelize(model, mesh, (tokens,), policy=policy)
+        plan = model.policy_plan
         assert plan.recompute_groups == {0: ["layers.0"], 1: ["layers.1"]}
         plain = _saved_tensor_count(reference, (tokens,))
         checkpointed = _saved_tensor_count(model, (tokens,))
@@ -192,7 +198,8 @@ def test_stage_split_spec_drives_torch_pipelining():
             yield OpPlan(op, stage_id=0 if op.fqn in ("tok_embeddings", "") or op.fqn.startswith("layers.0") else 1)
 
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (tokens,), policy=policy)
+        parallelize(model, mesh, (tokens,), policy=policy)
+        plan = model.policy_plan
     pipe = pipeline(model, mb_args=(tokens,), split_spec=plan.split_spec())
     assert pipe.num_stages == 2
     assert next(iter(dict(pipe.get_stage_module(1).named_parameters()))).startswith("layers.1.")

@@ -25,30 +25,55 @@ class PrintedPlanTest(TestCase):
 Plan for TinyLlama on mesh (4,) (55 traced ops)
   module plan:
     tok_embeddings: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+      # rowwise: the only style '1,0' allows; output Shard(1) for SP layers.0.attention_norm
     layers.0.attention_norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     layers.0.attention: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+      # one all-gather for 3 colwise readers
     layers.0.attention.wq: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.0.attention
     layers.0.attention.wk: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.0.attention
     layers.0.attention.wv: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.0.attention
     layers.0.attention.wo: RowwiseParallel(output_layouts=Shard(1))
+      # rowwise: input from colwise layers.0.attention.wv; output Shard(1) for SP layers.0.ffn_norm
     layers.0.ffn_norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     layers.0.feed_forward: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+      # one all-gather for 2 colwise readers
     layers.0.feed_forward.w1: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.0.feed_forward
     layers.0.feed_forward.w3: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.0.feed_forward
     layers.0.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1))
+      # rowwise: input from colwise layers.0.feed_forward.w3; output Shard(1) for SP layers.1.attention_norm
     layers.1.attention_norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     layers.1.attention: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+      # one all-gather for 3 colwise readers
     layers.1.attention.wq: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.1.attention
     layers.1.attention.wk: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.1.attention
     layers.1.attention.wv: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.1.attention
     layers.1.attention.wo: RowwiseParallel(output_layouts=Shard(1))
+      # rowwise: input from colwise layers.1.attention.wv; output Shard(1) for SP layers.1.ffn_norm
     layers.1.ffn_norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     layers.1.feed_forward: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+      # one all-gather for 2 colwise readers
     layers.1.feed_forward.w1: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.1.feed_forward
     layers.1.feed_forward.w3: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.1.feed_forward
     layers.1.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1))
+      # rowwise: input from colwise layers.1.feed_forward.w3; output Shard(1) for SP norm
     norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     output: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+      # colwise: input from no colwise linear; output gathered: no rowwise linear follows; input Shard(1) gathered here
   op constraints: (none)""")
         styles = plan.module_plan
         assert isinstance(styles["tok_embeddings"], RowwiseParallel)
