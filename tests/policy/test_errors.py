@@ -16,7 +16,7 @@ from dtensor_ext.policy import (
     get_called_self_module_name,
     get_layer_index,
 )
-from tests.policy.models import MLP, MoEModel
+from dtensor_ext.models import MLP, MoEModel
 
 SUM_OP = "%9 torch.sum in moe [torch.sum(expert_out * gates.t().unsqueeze(-1), dim=0)]"
 PROJ_OP = "%0 torch.nn.functional.linear in proj [self.proj(x)]"

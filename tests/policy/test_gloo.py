@@ -14,7 +14,8 @@ def _rank_main(rank: int, init_file: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from dtensor_ext.policy import parallelize
-    from tests.policy.models import LLAMA_TP_YAML, TinyLlama
+    from dtensor_ext.models import TinyLlama
+    from tests.policy.models import LLAMA_TP_YAML
 
     torch.set_num_threads(1)  # four ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)

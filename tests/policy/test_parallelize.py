@@ -6,21 +6,11 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtensor_ext._compat import LocalTensor
 from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, get_pas_ops, parallelize
 from dtensor_ext.testing import simulated_mesh
-from dtensor_ext.testing.mesh import local_values
-from tests.policy.models import LLAMA_TP_YAML, MLP, MOE_YAML, MoEModel, TinyLlama, llama_tp_policy
-
-
-def _assert_every_rank_matches(actual, expected):
-    if isinstance(actual, DTensor):
-        actual = actual.full_tensor()
-    if not isinstance(actual, LocalTensor):  # nothing was sharded: a plain tensor, the same on every rank
-        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
-        return
-    for rank, value in local_values(actual).items():
-        torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"rank {rank}: {m}")
+from tests.policy.checks import assert_every_rank_matches
+from dtensor_ext.models import MLP, MoEModel, TinyLlama
+from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, llama_tp_policy
 
 
 def _copies(factory):
@@ -35,11 +25,11 @@ def _check_forward_and_grads(model, reference, inputs):
     expected = reference(*inputs)
     expected.square().sum().backward()
     out = model(*inputs)
-    _assert_every_rank_matches(out, expected)
+    assert_every_rank_matches(out, expected)
     out.square().sum().backward()
     grads = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        _assert_every_rank_matches(param.grad, grads[name].grad)
+        assert_every_rank_matches(param.grad, grads[name].grad)
 
 
 @pytest.mark.parametrize("form", ["yaml", "policy"])

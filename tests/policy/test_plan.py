@@ -8,7 +8,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from dtensor_ext.policy import OpPlan, build_plan, get_layer_index, get_pas_ops
 from dtensor_ext.testing import simulated_mesh
-from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, MoEModel, TinyLlama, llama_tp_policy
+from dtensor_ext.models import MoEModel, TinyLlama
+from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, llama_tp_policy
 
 
 def _llama_and_tokens():

@@ -1,0 +1,106 @@
+"""The policy adapter on Hugging Face models (tiny random weights): the seed's nnScaler-style policy and a YAML
+file build the hand-written torchtitan-style plan, and match one device with exactly its collectives."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate
+from torch.utils.checkpoint import checkpoint
+
+from dtensor_ext.policy import OpPartition, OpPlan, get_called_self_module_name, get_layer_index, get_pas_ops, parallelize
+from dtensor_ext.testing import simulated_mesh
+from tests.policy.checks import assert_every_rank_matches
+
+hf_zoo = pytest.importorskip("dtensor_ext.testing.hf_zoo")
+
+LINEAR_YAML = """\
+- name: torch.nn.functional.linear
+  allowed_partition_dims: ["1,0", "1,1"]   # column- or row-parallel, paired from the dataflow
+"""
+
+
+def seed_policy(graph, cfg):
+    """nnScaler's idiom: gate/up (and q/k/v) column-parallel, down/o row-parallel by the called sub-module's name;
+    each decoder layer one recompute group and one pipeline stage."""
+    for op in get_pas_ops(graph):
+        layer = get_layer_index(op.fqn) if op.fqn.startswith("model.layers.") else -1
+        partition = "auto"
+        if op.signature == "torch.nn.functional.linear" and isinstance(graph.module(op.fqn), torch.nn.Linear):
+            row = get_called_self_module_name(op.call_expr) in ("o_proj", "down_proj")
+            partition = OpPartition(1, 1 if row else 0)
+        yield OpPlan(op, partition, recompute_id=layer, stage_id=layer)
+
+
+def hand_written_plan(model) -> dict:
+    """torchtitan's Llama TP plan in Hugging Face module names (no sequence parallelism)."""
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        plan.update({f"{prefix}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
+        plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel()
+        if hasattr(layer.mlp, "gate_proj"):
+            plan.update({f"{prefix}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+            plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def _checkpoint_layers(model):
+    for layer in model.model.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def _step(model, ids, labels):
+    """Loss, gradients and the collectives of one forward + backward."""
+    with CommDebugMode() as comm:
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+    counts = {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items() if n}
+    return loss, {n: p.grad for n, p in model.named_parameters()}, counts
+
+
+def _compare(name, mesh_shape, apply_policy, apply_hand_written, **config):
+    reference, by_policy, by_hand = (hf_zoo.tiny_model(name, use_cache=False, **config) for _ in range(3))
+    ids, labels = hf_zoo.sample_batch()
+    expected_loss, expected_grads, _ = _step(reference, ids, labels)
+    with simulated_mesh(mesh_shape) as mesh:  # models are built outside: inside, weights would be per-rank
+        by_policy = apply_policy(by_policy, mesh, ids)
+        loss, grads, policy_counts = _step(by_policy, ids, labels)
+        _, _, hand_counts = _step(apply_hand_written(by_hand, mesh), ids, labels)
+        assert_every_rank_matches(loss, expected_loss)
+        for param, grad in grads.items():
+            assert_every_rank_matches(grad, expected_grads[param])
+    assert policy_counts == hand_counts
+    return by_policy, policy_counts
+
+
+def test_llama_yaml_builds_the_hand_written_plan():
+    def hand(model, mesh):
+        return parallelize_module(model, mesh, hand_written_plan(model))
+
+    model, counts = _compare("llama", (4,), lambda m, mesh, ids: parallelize(m, mesh, (ids,), constraints=LINEAR_YAML,
+                                                                             strict=True), hand)
+    # per layer o_proj and down_proj all-reduce in forward, q/k/v and gate/up inputs in backward; lm_head's gather
+    assert counts == {"all_reduce": 2 * 2 + 2 * 5 + 1, "all_gather_into_tensor": 1}
+    assert {k: str(v) for k, v in model.policy_plan.module_styles.items()} == {
+        k: type(v).__name__ + ("(output_layouts=Replicate())" if k == "lm_head" else "()")
+        for k, v in hand_written_plan(model).items()}
+
+
+def test_llama_seed_policy_builds_the_hand_written_plan_with_recompute_and_stages():
+    def hand(model, mesh):
+        parallelize_module(model, mesh, hand_written_plan(model))
+        _checkpoint_layers(model)
+        return model
+
+    model, counts = _compare("llama", (4,), lambda m, mesh, ids: parallelize(m, mesh, (ids,), policy=seed_policy,
+                                                                             strict=True), hand)
+    plan = model.policy_plan
+    assert plan.recompute_groups == {0: ["model.layers.0"], 1: ["model.layers.1"]}
+    assert plan.stage_starts == {0: "", 1: "model.layers.1"}
+    # the recompute re-runs o_proj's all-reduce; it stops before down_proj, whose output backward does not need
+    assert counts == {"all_reduce": 2 * 2 + 2 * 5 + 1 + 2, "all_gather_into_tensor": 1}
