@@ -17,6 +17,7 @@ from dtensor_ext.policy.enforce import ConstraintEnforcer, OpConstraint
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
+from dtensor_ext.policy.partial_grads import fix_partial_gradients
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
 from dtensor_ext.policy.styles import ChosenStyle, StyleSpec, infer_module_plan, module_style_kind
 
@@ -133,7 +134,8 @@ def build_plan(
             chosen[decision.node.fqn] = styled
         else:
             free.append(decision)
-    plan = Plan(mesh, graph, infer_module_plan(graph, chosen, strict=strict), _op_constraints(graph, free),
+    styles = fix_partial_gradients(graph, chosen, infer_module_plan(graph, chosen, strict=strict))
+    plan = Plan(mesh, graph, styles, _op_constraints(graph, free),
                 recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks)
     return plan
 

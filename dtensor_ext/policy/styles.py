@@ -9,7 +9,6 @@ output that reaches no row-parallel linear is gathered.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -101,7 +100,7 @@ class PlanWarning(UserWarning):
 def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: bool = False) -> dict[str, StyleSpec]:
     """`chosen`: module fqn -> its style kind. Returns the module plan in execution order; a gather that a
     row-parallel consumer would avoid warns (PolicyError under `strict`)."""
-    styled = {fqn: dataclasses.replace(c) for fqn, c in chosen.items()}
+    styled = chosen  # layouts are filled in place: the partial-gradient check reads them
     by_node = {s.node.index: s for s in styled.values()}
     seq_dims = {s.seq_dim for s in styled.values() if s.kind == "sequence"}
     seq_dim = min(seq_dims) if seq_dims else None

@@ -8,11 +8,18 @@ import functools
 import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from dtensor_ext.policy import OpPartition, OpPlan, get_called_self_module_name, get_layer_index, get_pas_ops, parallelize
+from dtensor_ext.policy import (
+    OpPartition,
+    OpPlan,
+    get_called_self_module_name,
+    get_layer_index,
+    get_pas_ops,
+    parallelize,
+)
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_every_rank_matches
 
@@ -37,12 +44,16 @@ def seed_policy(graph, cfg):
 
 
 def hand_written_plan(model) -> dict:
-    """torchtitan's Llama TP plan in Hugging Face module names (no sequence parallelism)."""
+    """torchtitan's TP plan in Hugging Face module names (no sequence parallelism); Qwen3's per-head q/k norms
+    run on each rank's heads as sequence-parallel norms over the head dim, as torchtitan's Qwen3 plan does."""
     plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
         plan.update({f"{prefix}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
         plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel()
+        if hasattr(layer.self_attn, "q_norm"):
+            plan.update({f"{prefix}.self_attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                         for n in ("q_norm", "k_norm")})
         if hasattr(layer.mlp, "gate_proj"):
             plan.update({f"{prefix}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
             plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
@@ -104,3 +115,17 @@ def test_llama_seed_policy_builds_the_hand_written_plan_with_recompute_and_stage
     assert plan.stage_starts == {0: "", 1: "model.layers.1"}
     # the recompute re-runs o_proj's all-reduce; it stops before down_proj, whose output backward does not need
     assert counts == {"all_reduce": 2 * 2 + 2 * 5 + 1 + 2, "all_gather_into_tensor": 1}
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_models_yaml_builds_the_hand_written_plan(name):
+    """Attention tensor-parallel, experts replicated; Qwen3's q_norm/k_norm, whose gradients would come out partial
+    on each rank's heads, are found and run as sequence-parallel norms over the head dim."""
+    model, counts = _compare(name, (4,), lambda m, mesh, ids: parallelize(m, mesh, (ids,), constraints=LINEAR_YAML,
+                                                                          strict=True),
+                             lambda m, mesh: parallelize_module(m, mesh, hand_written_plan(m)))
+    assert counts == {"all_reduce": 2 * 1 + 2 * 3 + 1, "all_gather_into_tensor": 1}
+    fixes = {k: str(v) for k, v in model.policy_plan.module_styles.items() if "norm" in k}
+    assert fixes == ({} if name == "mixtral" else {
+        f"model.layers.{i}.self_attn.{n}_norm": "SequenceParallel(sequence_dim=2, use_local_output=True)"
+        for i in range(2) for n in "qk"})
