@@ -19,7 +19,14 @@ from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.partial_grads import fix_partial_gradients
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
-from dtensor_ext.policy.styles import ChosenStyle, StyleSpec, infer_module_plan, module_style_kind
+from dtensor_ext.policy.styles import (
+    ChosenStyle,
+    StyleSpec,
+    first_op_on_input,
+    infer_module_plan,
+    is_norm_module,
+    module_style_kind,
+)
 
 __all__ = ["Plan", "PolicyConfig", "build_plan", "parallelize"]
 
@@ -169,14 +176,14 @@ def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint],
     decisions: dict[int, _Decision] = {}
     classes = graph.module_classes()
     for c in constraints:
-        named = [n for n in graph.nodes if c.name in n.names]
+        named = [n for n in graph.nodes if c.name in n.names] or _norm_module_ops(graph, c.name)
         problem = None
         if c.parent_module is not None and c.parent_module not in classes:
             problem = ("parent_module", c.parent_module,
                        f"a module class the model runs: {', '.join(sorted(classes))}")
         elif not named:
             seen = sorted({n.signature for n in graph.nodes})
-            problem = ("name", c.name, f"an op the model runs: {', '.join(seen)}")
+            problem = ("name", c.name, f"an op the model runs: {', '.join(seen)}; or the class of a norm module")
         elif c.parent_module is not None and not any(n.in_module_class(c.parent_module) for n in named):
             problem = ("parent_module", c.parent_module, f"a module class that runs {c.name}")
         if problem is not None:
@@ -195,6 +202,13 @@ def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint],
             allowed = _check_dims(node, c.allowed_partition_dims, c.source, "allowed_partition_dims")
             decisions[node.index] = _Decision(node, allowed, c.replica_allowed, c.source)
     return [decisions[i] for i in sorted(decisions)]
+
+
+def _norm_module_ops(graph: GraphView, class_name: str) -> list[OpNode]:
+    """A norm module class named as a constraint's op (``LlamaRMSNorm``): the first op on each one's input."""
+    calls = [fqn for fqn, call in graph.module_calls.items()
+             if type(call.module).__name__ == class_name and is_norm_module(call.module)]
+    return [op for op in (first_op_on_input(graph, fqn) for fqn in calls) if op is not None]
 
 
 def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):

@@ -68,6 +68,7 @@ class ModuleCall:
     fqn: str
     module: torch.nn.Module
     arg_ids: tuple[int | None, ...]
+    kwarg_ids: dict[str, int] = field(default_factory=dict)  # tensor keyword arguments
     first_op: int = -1
     last_op: int = -1
 
@@ -210,7 +211,8 @@ class _Recorder(TorchFunctionMode):
         def hook(module, args, kwargs):
             self.stack.append((fqn, type(module).__name__))
             if fqn not in self.calls:
-                self.calls[fqn] = ModuleCall(fqn, module, tuple(self.tensor_id(a) for a in args))
+                self.calls[fqn] = ModuleCall(fqn, module, tuple(self.tensor_id(a) for a in args), {
+                    k: self.tensor_id(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
         return hook
 
     def _leave(self, fqn: str):

@@ -48,6 +48,8 @@ class StyleSpec:
 
 
 def _layout_str(value: object) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_layout_str(v)}" for k, v in value.items()) + "}"
     if isinstance(value, tuple):
         return "(" + ", ".join(_layout_str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
     if isinstance(value, Shard):
@@ -76,7 +78,27 @@ def module_style_kind(node: OpNode, graph: GraphView) -> dict[tuple[int, int], t
         ndim = len(node.input_shapes[0])
         normalized = len(node.args[1]) if len(node.args) > 1 else len(node.kwargs["normalized_shape"])
         return {(0, d): ("sequence", d) for d in range(ndim - normalized)}
+    if is_norm_module(module) and node.input_ids and node is first_op_on_input(graph, node.fqn):
+        ndim = len(node.input_shapes[0])
+        return {(0, d): ("sequence", d) for d in range(ndim - len(module.weight.shape))}
     return None
+
+
+def is_norm_module(module: torch.nn.Module) -> bool:
+    """A norm written as a module of its own (Hugging Face's LlamaRMSNorm...): named *Norm, with a weight over the
+    trailing dims it normalizes."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)) or type(module).__name__.endswith("Norm")) \
+        and isinstance(weight, torch.nn.Parameter) and weight.ndim >= 1
+
+
+def first_op_on_input(graph: GraphView, fqn: str) -> OpNode | None:
+    """The first op of the module's (first) call that reads the module's first input: the op a policy or YAML
+    entry names to partition a norm module."""
+    call = graph.module_calls[fqn]
+    tid = call.arg_ids[0] if call.arg_ids else next(iter(call.kwarg_ids.values()), None)
+    return next((n for n in graph.consumers(tid) if call.first_op <= n.index <= call.last_op), None) \
+        if tid is not None else None
 
 
 @dataclass
@@ -126,7 +148,7 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: 
         if s.kind == "rowwise" and seq_dim is not None and "sequence" in kinds:
             s.output_layout = Shard(seq_dim)
             norm = next(n for n in downstream if n.index in by_node and by_node[n.index].kind == "sequence")
-            s.why += f"; output Shard({seq_dim}) for SP {norm.fqn}"
+            s.why += f"; output Shard({seq_dim}), kept DTensor, for SP {norm.fqn}"
         if s.kind == "colwise" and "rowwise" not in kinds:
             s.output_layout = Replicate()
             blockers = [n for n in downstream if n.index not in by_node or by_node[n.index].kind == "colwise"]
@@ -160,7 +182,7 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: 
         if not fqn or fqn in styled:
             continue
         hoisted, readers = [], 0
-        for tid in call.arg_ids:
+        for tid in (*call.arg_ids, *call.kwarg_ids.values()):
             inside = [c for c in graph.consumers(tid) if c.fqn == fqn or c.fqn.startswith(fqn + ".")] if tid else []
             hoist = (tid is not None and bool(inside) and seq_sharded(tid)
                      and all(c.index in by_node and by_node[c.index].kind == "colwise"
@@ -172,11 +194,16 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: 
                     by_node[c.index].input_layout = None
                     by_node[c.index].why = by_node[c.index].why.replace(
                         f"; input Shard({seq_dim}) gathered here", f"; input gathered by {fqn}")
-        if any(hoisted):
-            plan[fqn] = StyleSpec("PrepareModuleInput", {
-                "input_layouts": tuple(Shard(seq_dim) if h else None for h in hoisted),
-                "desired_input_layouts": tuple(Replicate() if h else None for h in hoisted)},
-                why=f"one all-gather for {readers} colwise readers")
+        positional, keyword = hoisted[:len(call.arg_ids)], dict(zip(call.kwarg_ids, hoisted[len(call.arg_ids):]))
+        kwargs = {}
+        if any(positional):
+            kwargs["input_layouts"] = tuple(Shard(seq_dim) if h else None for h in positional)
+            kwargs["desired_input_layouts"] = tuple(Replicate() if h else None for h in positional)
+        if any(keyword.values()):
+            kwargs["input_kwarg_layouts"] = {k: Shard(seq_dim) for k, h in keyword.items() if h}
+            kwargs["desired_input_kwarg_layouts"] = {k: Replicate() for k, h in keyword.items() if h}
+        if kwargs:
+            plan[fqn] = StyleSpec("PrepareModuleInput", kwargs, why=f"one all-gather for {readers} colwise readers")
     for fqn, s in styled.items():
         plan[fqn] = _spec(s)
     order = {fqn: i for i, fqn in enumerate(graph.module_calls)}
@@ -204,4 +231,6 @@ def _spec(s: ChosenStyle) -> StyleSpec:
         kwargs["input_layouts"] = Replicate()
     if s.output_layout is not None:
         kwargs["output_layouts"] = s.output_layout
+    if isinstance(s.output_layout, Shard) and s.kind == "rowwise":
+        kwargs["use_local_output"] = False  # the sequence-sharded residual stream stays DTensor: global shapes
     return StyleSpec("ColwiseParallel" if s.kind == "colwise" else "RowwiseParallel", kwargs, s.why)

@@ -8,8 +8,14 @@ import functools
 import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 from dtensor_ext.policy import (
@@ -28,6 +34,16 @@ hf_zoo = pytest.importorskip("dtensor_ext.testing.hf_zoo")
 LINEAR_YAML = """\
 - name: torch.nn.functional.linear
   allowed_partition_dims: ["1,0", "1,1"]   # column- or row-parallel, paired from the dataflow
+"""
+
+
+SP_YAML = """\
+- name: torch.nn.functional.embedding
+  allowed_partition_dims: ["1,0"]          # vocab-sharded embedding
+- name: LlamaRMSNorm                       # Hugging Face's own norm module: sequence parallel
+  allowed_partition_dims: ["0,1"]
+- name: torch.nn.functional.linear
+  allowed_partition_dims: ["1,0", "1,1"]
 """
 
 
@@ -57,6 +73,31 @@ def hand_written_plan(model) -> dict:
         if hasattr(layer.mlp, "gate_proj"):
             plan.update({f"{prefix}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
             plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def hand_written_sp_plan(model) -> dict:
+    """torchtitan's Llama TP+SP plan in Hugging Face module names; the residual stream stays DTensor
+    (use_local_output=False) because HF derives positions and masks from the activation's shape."""
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(len(model.model.layers)):
+        prefix = f"model.layers.{i}"
+        plan.update({
+            f"{prefix}.input_layernorm": SequenceParallel(),
+            f"{prefix}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                      desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            **{f"{prefix}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")},
+            f"{prefix}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            f"{prefix}.post_attention_layernorm": SequenceParallel(),
+            f"{prefix}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            **{f"{prefix}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")},
+            f"{prefix}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
     return plan
 
 
@@ -115,6 +156,15 @@ def test_llama_seed_policy_builds_the_hand_written_plan_with_recompute_and_stage
     assert plan.stage_starts == {0: "", 1: "model.layers.1"}
     # the recompute re-runs o_proj's all-reduce; it stops before down_proj, whose output backward does not need
     assert counts == {"all_reduce": 2 * 2 + 2 * 5 + 1 + 2, "all_gather_into_tensor": 1}
+
+
+def test_llama_sequence_parallel_on_hf_norm_modules():
+    model, counts = _compare("llama", (4,), lambda m, mesh, ids: parallelize(m, mesh, (ids,), constraints=SP_YAML,
+                                                                             strict=True),
+                             lambda m, mesh: parallelize_module(m, mesh, hand_written_sp_plan(m)))
+    # forward: the embedding and each o_proj/down_proj reduce-scatter, each attention/mlp input and lm_head gather
+    assert counts == {"reduce_scatter_tensor": 10, "all_gather_into_tensor": 11}
+    assert set(model.policy_plan.module_styles) == set(hand_written_sp_plan(model))
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])

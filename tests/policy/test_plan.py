@@ -25,8 +25,8 @@ class PrintedPlanTest(TestCase):
         self.assertExpectedInline(str(plan), """\
 Plan for TinyLlama on mesh (4,) (55 traced ops)
   module plan:
-    tok_embeddings: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-      # rowwise: the only style '1,0' allows; output Shard(1) for SP layers.0.attention_norm
+    tok_embeddings: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+      # rowwise: the only style '1,0' allows; output Shard(1), kept DTensor, for SP layers.0.attention_norm
     layers.0.attention_norm: SequenceParallel()
       # sequence: the only style '0,1' allows
     layers.0.attention: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -37,8 +37,8 @@ Plan for TinyLlama on mesh (4,) (55 traced ops)
       # colwise: input from no colwise linear; input gathered by layers.0.attention
     layers.0.attention.wv: ColwiseParallel()
       # colwise: input from no colwise linear; input gathered by layers.0.attention
-    layers.0.attention.wo: RowwiseParallel(output_layouts=Shard(1))
-      # rowwise: input from colwise layers.0.attention.wv; output Shard(1) for SP layers.0.ffn_norm
+    layers.0.attention.wo: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+      # rowwise: input from colwise layers.0.attention.wv; output Shard(1), kept DTensor, for SP layers.0.ffn_norm
     layers.0.ffn_norm: SequenceParallel()
       # sequence: the only style '0,1' allows
     layers.0.feed_forward: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -47,8 +47,8 @@ Plan for TinyLlama on mesh (4,) (55 traced ops)
       # colwise: input from no colwise linear; input gathered by layers.0.feed_forward
     layers.0.feed_forward.w3: ColwiseParallel()
       # colwise: input from no colwise linear; input gathered by layers.0.feed_forward
-    layers.0.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1))
-      # rowwise: input from colwise layers.0.feed_forward.w3; output Shard(1) for SP layers.1.attention_norm
+    layers.0.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+      # rowwise: input from colwise layers.0.feed_forward.w3; output Shard(1), kept DTensor, for SP layers.1.attention_norm
     layers.1.attention_norm: SequenceParallel()
       # sequence: the only style '0,1' allows
     layers.1.attention: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -59,8 +59,8 @@ Plan for TinyLlama on mesh (4,) (55 traced ops)
       # colwise: input from no colwise linear; input gathered by layers.1.attention
     layers.1.attention.wv: ColwiseParallel()
       # colwise: input from no colwise linear; input gathered by layers.1.attention
-    layers.1.attention.wo: RowwiseParallel(output_layouts=Shard(1))
-      # rowwise: input from colwise layers.1.attention.wv; output Shard(1) for SP layers.1.ffn_norm
+    layers.1.attention.wo: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+      # rowwise: input from colwise layers.1.attention.wv; output Shard(1), kept DTensor, for SP layers.1.ffn_norm
     layers.1.ffn_norm: SequenceParallel()
       # sequence: the only style '0,1' allows
     layers.1.feed_forward: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -69,8 +69,8 @@ Plan for TinyLlama on mesh (4,) (55 traced ops)
       # colwise: input from no colwise linear; input gathered by layers.1.feed_forward
     layers.1.feed_forward.w3: ColwiseParallel()
       # colwise: input from no colwise linear; input gathered by layers.1.feed_forward
-    layers.1.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1))
-      # rowwise: input from colwise layers.1.feed_forward.w3; output Shard(1) for SP norm
+    layers.1.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+      # rowwise: input from colwise layers.1.feed_forward.w3; output Shard(1), kept DTensor, for SP norm
     norm: SequenceParallel()
       # sequence: the only style '0,1' allows
     output: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
