@@ -61,6 +61,14 @@ class Plan:
         """The ``parallelize_plan`` dict for torch's ``parallelize_module`` (fresh ParallelStyle objects)."""
         return {fqn: spec.build() for fqn, spec in self.module_styles.items()}
 
+    def module_plans(self, mesh: DeviceMesh) -> list[tuple[DeviceMesh, dict]]:
+        """(1-D mesh, ``parallelize_plan``) for each mesh dim the styles shard: ParallelStyles take a 1-D mesh,
+        so on an N-D mesh each runs on its named dim ('tp' unless the constraint named one)."""
+        by_dim: dict[str | None, dict] = {}
+        for fqn, spec in self.module_styles.items():
+            by_dim.setdefault(spec.mesh_dim, {})[fqn] = spec.build()
+        return [(_mesh_dim(mesh, name), plan) for name, plan in by_dim.items()]
+
     def split_spec(self) -> dict:
         """Stage boundaries as ``torch.distributed.pipelining.pipeline(..., split_spec=...)`` expects them."""
         from torch.distributed.pipelining import SplitPoint
@@ -89,6 +97,17 @@ class Plan:
         return "\n".join(lines)
 
 
+def _mesh_dim(mesh: DeviceMesh, name: str | None) -> DeviceMesh:
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1 and (name is None or name in names):
+        return mesh
+    if (name or "tp") not in names:
+        raise PolicyError("parallelize", "mesh", f"{tuple(mesh.shape)} named {names or None}",
+                          f"a mesh with a dim named {name or 'tp'!r} for the ParallelStyles that shard it "
+                          "(init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+    return mesh[name or "tp"]
+
+
 def _name(fn: Callable | None) -> str:
     return getattr(fn, "__qualname__", repr(fn)) if fn is not None else "-"
 
@@ -99,6 +118,7 @@ class _Decision:
     allowed: tuple[tuple[int, int], ...]  # normalized dims; empty = replicate
     replica_allowed: bool
     source: str
+    mesh_dim: str | None = None
 
 
 def build_plan(
@@ -138,6 +158,7 @@ def build_plan(
                               f"one partitioned op per module; module {decision.node.fqn!r} already runs "
                               f"{chosen[decision.node.fqn].node} with a ParallelStyle")
         if styled is not None:
+            styled.mesh_dim = decision.mesh_dim
             chosen[decision.node.fqn] = styled
         else:
             free.append(decision)
@@ -200,7 +221,7 @@ def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint],
                                   f"one constraint per op; {node} is already constrained by "
                                   f"{decisions[node.index].source}")
             allowed = _check_dims(node, c.allowed_partition_dims, c.source, "allowed_partition_dims")
-            decisions[node.index] = _Decision(node, allowed, c.replica_allowed, c.source)
+            decisions[node.index] = _Decision(node, allowed, c.replica_allowed, c.source, c.mesh_dim)
     return [decisions[i] for i in sorted(decisions)]
 
 
@@ -232,7 +253,7 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
                                                                                   plan.partition.dim)):
                 raise PolicyError(where, "partition", plan.partition, "OpPartition with integer input and dim")
             allowed = _check_dims(node, [(plan.partition.input, plan.partition.dim)], where, "partition")
-            decisions[node.index] = _Decision(node, allowed, False, where)
+            decisions[node.index] = _Decision(node, allowed, False, where, plan.mesh_dim)
         elif plan.partition is None:
             decisions[node.index] = _Decision(node, (), True, where)
         elif plan.partition != "auto":
@@ -305,7 +326,8 @@ def _op_constraints(graph: GraphView, free: list[_Decision]) -> list[OpConstrain
         key = (owner, node.signature)
         ordinal_of[node.index] = (owner, counts.get(key, 0))
         counts[key] = counts.get(key, 0) + 1
-    return [OpConstraint(d.node, d.allowed, d.replica_allowed, d.source, *ordinal_of[d.node.index]) for d in free]
+    return [OpConstraint(d.node, d.allowed, d.replica_allowed, d.source, *ordinal_of[d.node.index], d.mesh_dim)
+            for d in free]
 
 
 def parallelize(
@@ -319,17 +341,19 @@ def parallelize(
     warn_unused: bool = False,
     strict: bool = False,
     plan: Plan | None = None,
+    dp: str | None = None,
+    dp_dim: str = "dp",
 ) -> torch.nn.Module:
-    """Build the plan (unless given) and apply it in place: ParallelStyles, op constraints, hooks, recompute.
+    """Build the plan (unless given) and apply it in place: ParallelStyles (each on its mesh dim, 'tp' by
+    default on an N-D mesh), op constraints, hooks, recompute, then ``dp='fully_shard'`` over ``dp_dim``.
     Returns the module, as torch's ``parallelize_module`` does; the applied plan is ``model.policy_plan``."""
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
                           warn_unused=warn_unused, strict=strict)
-    if plan.module_styles and mesh.ndim != 1:
-        raise PolicyError("parallelize", "mesh", tuple(mesh.shape),
-                          "a 1-D mesh for ParallelStyles (pass one dimension of a larger mesh, e.g. mesh['tp'])")
-    if plan.module_styles:
-        parallelize_module(model, mesh, plan.module_plan)
+    if dp not in (None, "fully_shard"):
+        raise PolicyError("parallelize", "dp", dp, "None or 'fully_shard' (torch's FSDP2 on the dp mesh dim)")
+    for sub_mesh, module_plan in plan.module_plans(mesh):
+        parallelize_module(model, sub_mesh, module_plan)
     if plan.op_constraints:
         plan.enforcer = ConstraintEnforcer(mesh, plan.op_constraints)
         plan.enforcer.install(model)
@@ -340,5 +364,21 @@ def parallelize(
         if post is not None:
             module.register_forward_hook(post)
     apply_recompute(model, plan.recompute_groups)
+    if dp == "fully_shard":
+        _fully_shard(model, mesh, dp_dim)
     model.policy_plan = plan
     return model
+
+
+def _fully_shard(model: torch.nn.Module, mesh: DeviceMesh, dp_dim: str) -> None:
+    """torch's FSDP2 over the dp dim, as torchtitan applies it: each numbered block (``layers.3``), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    if dp_dim not in (mesh.mesh_dim_names or ()):
+        raise PolicyError("parallelize", "dp_dim", dp_dim,
+                          f"a dim of the mesh, whose dims are named {mesh.mesh_dim_names}")
+    dp_mesh = mesh[dp_dim]
+    for fqn, module in model.named_modules():
+        if fqn.rsplit(".", 1)[-1].isdigit():
+            fully_shard(module, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)

@@ -9,6 +9,7 @@ becomes a replicated DTensor whose gradient DTensor sums over ranks. Anything el
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -64,7 +65,7 @@ def fix_partial_gradients(graph: GraphView, chosen: dict[str, ChosenStyle], styl
             params = _own_parameters(graph, node)
             used = [params[id(a)] for a in (*node.args, *node.kwargs.values()) if id(a) in params]
             if used and node.fqn not in styles and node.fqn not in fixes:
-                fixes[node.fqn] = _fix(graph, node, used, fqn, sharded)
+                fixes[node.fqn] = dataclasses.replace(_fix(graph, node, used, fqn, sharded), mesh_dim=c.mesh_dim)
             index, dim = reads[0]
             after = _dim_after(node, index, dim)
             if after is not None:

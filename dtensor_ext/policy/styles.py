@@ -9,6 +9,7 @@ output that reaches no row-parallel linear is gathered.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -38,13 +39,14 @@ class StyleSpec:
     style: str
     kwargs: dict[str, object] = field(default_factory=dict)
     why: str = field(default="", compare=False)
+    mesh_dim: str | None = None  # None: the 'tp' dim of an N-D mesh, the mesh itself when 1-D
 
     def build(self):
         return _TORCH_STYLES[self.style](**self.kwargs)
 
     def __str__(self) -> str:
         args = ", ".join(f"{k}={_layout_str(v)}" for k, v in self.kwargs.items())
-        return f"{self.style}({args})"
+        return f"{self.style}({args})" + (f" on mesh dim {self.mesh_dim!r}" if self.mesh_dim else "")
 
 
 def _layout_str(value: object) -> str:
@@ -111,6 +113,7 @@ class ChosenStyle:
     source: str
     seq_dim: int | None = None
     why: str = ""
+    mesh_dim: str | None = None
     input_layout: object = None
     output_layout: object = None
 
@@ -205,7 +208,7 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: 
         if kwargs:
             plan[fqn] = StyleSpec("PrepareModuleInput", kwargs, why=f"one all-gather for {readers} colwise readers")
     for fqn, s in styled.items():
-        plan[fqn] = _spec(s)
+        plan[fqn] = dataclasses.replace(_spec(s), mesh_dim=s.mesh_dim)
     order = {fqn: i for i, fqn in enumerate(graph.module_calls)}
     return dict(sorted(plan.items(), key=lambda item: order[item[0]]))
 

@@ -33,3 +33,35 @@ MOE_YAML = """\
   allowed_partition_dims: ["0,0"]
   replica_allowed: false
 """
+
+
+def torchtitan_llama_plan(n_layers: int = 2) -> dict:
+    """torchtitan's Llama-3 TP+SP plan for TinyLlama, written by hand (what LLAMA_TP_YAML must reproduce)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(n_layers):
+        def gather():
+            return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+        plan.update({
+            f"layers.{i}.attention_norm": SequenceParallel(),
+            f"layers.{i}.attention": gather(),
+            **{f"layers.{i}.attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")},
+            f"layers.{i}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            f"layers.{i}.ffn_norm": SequenceParallel(),
+            f"layers.{i}.feed_forward": gather(),
+            **{f"layers.{i}.feed_forward.{n}": ColwiseParallel() for n in ("w1", "w3")},
+            f"layers.{i}.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan

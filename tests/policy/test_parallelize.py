@@ -116,14 +116,34 @@ def test_replica_refused_when_no_allowed_partition_fits():
         "< 4 ranks")
 
 
-def test_parallel_styles_need_a_one_dimensional_mesh():
+def test_parallel_styles_need_a_named_tp_dim_on_a_2d_mesh():
     model = TinyLlama()
     tokens = torch.randint(0, 32, (2, 8))
     with simulated_mesh((2, 2)) as mesh:
         with pytest.raises(PolicyError) as info:
             parallelize(model, mesh, (tokens,), constraints=LLAMA_TP_YAML)
-    assert str(info.value) == ("parallelize: field 'mesh' got (2, 2); expected a 1-D mesh for ParallelStyles "
-                               "(pass one dimension of a larger mesh, e.g. mesh['tp'])")
+    assert str(info.value) == (
+        "parallelize: field 'mesh' got '(2, 2) named None'; expected a mesh with a dim named 'tp' for the "
+        "ParallelStyles that shard it (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+
+
+def test_llama_tp_sp_on_the_tp_dim_of_a_2d_mesh():
+    model, reference = _copies(TinyLlama)
+    tokens = torch.randint(0, 32, (2, 8))
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+        parallelize(model, mesh, (tokens,), constraints=LLAMA_TP_YAML)
+        assert model.layers["0"].attention.wq.weight.device_mesh.mesh_dim_names == ("tp",)
+        _check_forward_and_grads(model, reference, (tokens,))
+
+
+def test_op_constraint_shards_the_mesh_dim_it_names():
+    model, reference = _copies(MoEModel)
+    x = torch.randn(6, 8)
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "ep")) as mesh:
+        parallelize(model, mesh, (x,), constraints=MOE_YAML + "  mesh_dim: ep\n")
+        _check_forward_and_grads(model, reference, (x,))
+    assert "torch.sum #0 in moe: allowed [0,0] on mesh dim 'ep'" in str(model.policy_plan)
+    assert model.policy_plan.enforcer.seen[0].input_placements == ((Replicate(), Shard(0)),)
 
 
 def _saved_tensor_count(model, inputs) -> int:
