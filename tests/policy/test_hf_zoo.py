@@ -119,10 +119,12 @@ def _compare(name, mesh_shape, apply_policy, apply_hand_written, **config):
     reference, by_policy, by_hand = (hf_zoo.tiny_model(name, use_cache=False, **config) for _ in range(3))
     ids, labels = hf_zoo.sample_batch()
     expected_loss, expected_grads, _ = _step(reference, ids, labels)
-    with simulated_mesh(mesh_shape) as mesh:  # models are built outside: inside, weights would be per-rank
+    names = ("dp", "tp") if len(mesh_shape) == 2 else None
+    # models are built outside the simulated mesh: inside, their weights would differ per rank
+    with simulated_mesh(mesh_shape, mesh_dim_names=names) as mesh:
         by_policy = apply_policy(by_policy, mesh, ids)
         loss, grads, policy_counts = _step(by_policy, ids, labels)
-        _, _, hand_counts = _step(apply_hand_written(by_hand, mesh), ids, labels)
+        _, _, hand_counts = _step(apply_hand_written(by_hand, mesh if names is None else mesh["tp"]), ids, labels)
         assert_every_rank_matches(loss, expected_loss)
         for param, grad in grads.items():
             assert_every_rank_matches(grad, expected_grads[param])
@@ -158,21 +160,26 @@ def test_llama_seed_policy_builds_the_hand_written_plan_with_recompute_and_stage
     assert counts == {"all_reduce": 2 * 2 + 2 * 5 + 1 + 2, "all_gather_into_tensor": 1}
 
 
-def test_llama_sequence_parallel_on_hf_norm_modules():
-    model, counts = _compare("llama", (4,), lambda m, mesh, ids: parallelize(m, mesh, (ids,), constraints=SP_YAML,
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_llama_sequence_parallel_on_hf_norm_modules(mesh_shape):
+    """On the 2x2 (dp, tp) mesh the plan runs on the tp dim (each dp pair sees the same batch here: torch's FSDP2
+    over dp needs real ranks, see test_gloo)."""
+    tp = mesh_shape[-1]
+    model, counts = _compare("llama", mesh_shape, lambda m, mesh, ids: parallelize(m, mesh, (ids,), constraints=SP_YAML,
                                                                              strict=True),
                              lambda m, mesh: parallelize_module(m, mesh, hand_written_sp_plan(m)))
     # forward: the embedding and each o_proj/down_proj reduce-scatter, each attention/mlp input and lm_head gather
     assert counts == {"reduce_scatter_tensor": 10, "all_gather_into_tensor": 11}
+    assert model.model.layers[0].mlp.up_proj.weight.device_mesh.size() == tp
     assert set(model.policy_plan.module_styles) == set(hand_written_sp_plan(model))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_moe_models_yaml_builds_the_hand_written_plan(name):
+@pytest.mark.parametrize(("name", "mesh_shape"), [("mixtral", (4,)), ("qwen3_moe", (4,)), ("qwen3_moe", (2, 2))])
+def test_moe_models_yaml_builds_the_hand_written_plan(name, mesh_shape):
     """Attention tensor-parallel, experts replicated; Qwen3's q_norm/k_norm, whose gradients would come out partial
     on each rank's heads, are found and run as sequence-parallel norms over the head dim."""
-    model, counts = _compare(name, (4,), lambda m, mesh, ids: parallelize(m, mesh, (ids,), constraints=LINEAR_YAML,
-                                                                          strict=True),
+    model, counts = _compare(name, mesh_shape, lambda m, mesh, ids: parallelize(m, mesh, (ids,),
+                                                                                constraints=LINEAR_YAML, strict=True),
                              lambda m, mesh: parallelize_module(m, mesh, hand_written_plan(m)))
     assert counts == {"all_reduce": 2 * 1 + 2 * 3 + 1, "all_gather_into_tensor": 1}
     fixes = {k: str(v) for k, v in model.policy_plan.module_styles.items() if "norm" in k}
