@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -54,7 +55,15 @@ class Plan:
     recompute_groups: dict[int, list[str]]
     stage_starts: dict[int, str]
     hooks: list[tuple[str, Callable | None, Callable | None]]
+    loss_ops: list[OpNode] = field(default_factory=list)
     enforcer: ConstraintEnforcer | None = field(default=None, repr=False)
+
+    def loss_context(self):
+        """torch's ``loss_parallel()`` where the plan keeps logits vocab-sharded into the loss (run forward and
+        backward under it, as torchtitan does), else a no-op context."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel() if self.loss_ops else contextlib.nullcontext()
 
     @property
     def module_plan(self) -> dict:
@@ -82,6 +91,9 @@ class Plan:
         for fqn, spec in self.module_styles.items():
             lines.append(f"    {fqn}: {spec}")
             lines += [f"      # {spec.why}"] if spec.why else []
+        if self.loss_ops:
+            lines.append("  loss parallel (run forward and backward under plan.loss_context()):")
+            lines += [f"    {node}" for node in self.loss_ops]
         lines.append("  op constraints:" if self.op_constraints else "  op constraints: (none)")
         lines += [f"    {c.describe()}" for c in self.op_constraints]
         if self.recompute_groups:
@@ -162,10 +174,27 @@ def build_plan(
             chosen[decision.node.fqn] = styled
         else:
             free.append(decision)
-    styles = fix_partial_gradients(graph, chosen, infer_module_plan(graph, chosen, strict=strict))
+    losses = {d.node.index: d for d in free if _is_loss_parallel(d)}
+    free = [d for d in free if d.node.index not in losses]
+    styles = infer_module_plan(graph, chosen, strict=strict, loss_ops={i: d.source for i, d in losses.items()})
+    styles = fix_partial_gradients(graph, chosen, styles)
     plan = Plan(mesh, graph, styles, _op_constraints(graph, free),
-                recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks)
+                recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks,
+                [graph.nodes[i] for i in losses])
     return plan
+
+
+_LOSSES = ("torch.nn.functional.cross_entropy",)
+
+
+def _is_loss_parallel(d: _Decision) -> bool:
+    """A cross-entropy partitioned on the class dim of its (tokens, classes) input: torch's loss parallelism."""
+    if d.node.signature not in _LOSSES or not d.allowed:
+        return False
+    if d.allowed != ((0, 1),) or len(d.node.input_shapes[0]) != 2:
+        raise PolicyError(d.source, "allowed_partition_dims", [f"{i},{dim}" for i, dim in d.allowed],
+                          f"'0,-1' on the (tokens, classes) logits of {d.node} (loss parallelism)")
+    return True
 
 
 def _trace_outside_simulation(model, example_inputs) -> GraphView:

@@ -122,9 +122,12 @@ class PlanWarning(UserWarning):
     """The plan moves more data than a column/row pairing the constraints could allow would."""
 
 
-def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: bool = False) -> dict[str, StyleSpec]:
-    """`chosen`: module fqn -> its style kind. Returns the module plan in execution order; a gather that a
-    row-parallel consumer would avoid warns (PolicyError under `strict`)."""
+def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: bool = False,
+                      loss_ops: dict[int, str] | None = None) -> dict[str, StyleSpec]:
+    """`chosen`: module fqn -> its style kind; `loss_ops`: op index -> source of each loss-parallel loss. Returns
+    the module plan in execution order; a gather that a row-parallel consumer would avoid warns (PolicyError under
+    `strict`)."""
+    loss_ops = dict(loss_ops or {})  # emptied as column-parallel producers are found
     styled = chosen  # layouts are filled in place: the partial-gradient check reads them
     by_node = {s.node.index: s for s in styled.values()}
     seq_dims = {s.seq_dim for s in styled.values() if s.kind == "sequence"}
@@ -139,7 +142,8 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: 
                 if consumer.index in seen:
                     continue
                 seen.add(consumer.index)
-                if consumer.index in by_node or consumer.signature == "torch.nn.functional.linear":
+                if consumer.index in by_node or consumer.index in loss_ops \
+                        or consumer.signature == "torch.nn.functional.linear":
                     found.append(consumer)
                 else:
                     todo.extend(consumer.output_ids)
@@ -152,12 +156,24 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: 
             s.output_layout = Shard(seq_dim)
             norm = next(n for n in downstream if n.index in by_node and by_node[n.index].kind == "sequence")
             s.why += f"; output Shard({seq_dim}), kept DTensor, for SP {norm.fqn}"
-        if s.kind == "colwise" and "rowwise" not in kinds:
+        losses = [n for n in downstream if n.index in loss_ops]
+        if s.kind == "colwise" and losses:
+            s.output_layout = Shard(len(s.node.output_shapes[0]) - 1)
+            s.why += f"; output vocab-sharded, kept DTensor, into loss-parallel {losses[0].signature}"
+            for n in losses:
+                loss_ops.pop(n.index)
+        elif s.kind == "colwise" and "rowwise" not in kinds:
             s.output_layout = Replicate()
             blockers = [n for n in downstream if n.index not in by_node or by_node[n.index].kind == "colwise"]
             s.why += "; output gathered: no rowwise linear follows"
             if blockers:
                 _warn_gather(s, blockers, by_node, strict)
+
+    if loss_ops:
+        index, source = next(iter(loss_ops.items()))
+        raise PolicyError(source, "allowed_partition_dims", "0,-1",
+                          f"a loss whose logits come from a column-parallel linear (loss parallelism): "
+                          f"{graph.nodes[index]} reads none")
 
     def seq_sharded(tid: int | None, depth: int = 0) -> bool:
         producer = graph.producer(tid) if tid is not None else None
@@ -234,6 +250,6 @@ def _spec(s: ChosenStyle) -> StyleSpec:
         kwargs["input_layouts"] = Replicate()
     if s.output_layout is not None:
         kwargs["output_layouts"] = s.output_layout
-    if isinstance(s.output_layout, Shard) and s.kind == "rowwise":
+    if isinstance(s.output_layout, Shard):
         kwargs["use_local_output"] = False  # the sequence-sharded residual stream stays DTensor: global shapes
     return StyleSpec("ColwiseParallel" if s.kind == "colwise" else "RowwiseParallel", kwargs, s.why)

@@ -216,3 +216,23 @@ def test_sequence_parallel_norm_on_replicated_input(mesh_1d2):
         "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [self.norm(x)]: field 'partition' got '0,1'; expected a sequence-parallel norm "
         "whose input is sequence-sharded; shard the op producing its input (e.g. the embedding as '1,0') or do not "
         "partition this norm")
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 6)
+
+    def forward(self, x, target):
+        return torch.nn.functional.cross_entropy(self.head(x), target)
+
+
+def test_loss_parallel_needs_column_parallel_logits(mesh_1d2):
+    inputs = (torch.randn(5, 4), torch.randint(0, 6, (5,)))
+    with pytest.raises(PolicyError) as info:
+        build_plan(_Classifier(), mesh_1d2, inputs,
+                   constraints='- name: torch.nn.functional.cross_entropy\n  allowed_partition_dims: ["0,-1"]\n')
+    assert str(info.value) == (
+        "<yaml> entry 0 (line 1): field 'allowed_partition_dims' got '0,-1'; expected a loss whose logits come from "
+        "a column-parallel linear (loss parallelism): %1 torch.nn.functional.cross_entropy in <root> "
+        "[torch.nn.functional.cross_entropy(self.head(x), target)] reads none")

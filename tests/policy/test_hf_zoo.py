@@ -3,6 +3,7 @@ file build the hand-written torchtitan-style plan, and match one device with exa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -14,6 +15,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from torch.utils.checkpoint import checkpoint
@@ -115,7 +117,7 @@ def _step(model, ids, labels):
     return loss, {n: p.grad for n, p in model.named_parameters()}, counts
 
 
-def _compare(name, mesh_shape, apply_policy, apply_hand_written, **config):
+def _compare(name, mesh_shape, apply_policy, apply_hand_written, hand_context=contextlib.nullcontext, **config):
     reference, by_policy, by_hand = (hf_zoo.tiny_model(name, use_cache=False, **config) for _ in range(3))
     ids, labels = hf_zoo.sample_batch()
     expected_loss, expected_grads, _ = _step(reference, ids, labels)
@@ -123,8 +125,10 @@ def _compare(name, mesh_shape, apply_policy, apply_hand_written, **config):
     # models are built outside the simulated mesh: inside, their weights would differ per rank
     with simulated_mesh(mesh_shape, mesh_dim_names=names) as mesh:
         by_policy = apply_policy(by_policy, mesh, ids)
-        loss, grads, policy_counts = _step(by_policy, ids, labels)
-        _, _, hand_counts = _step(apply_hand_written(by_hand, mesh if names is None else mesh["tp"]), ids, labels)
+        with by_policy.policy_plan.loss_context():
+            loss, grads, policy_counts = _step(by_policy, ids, labels)
+        with hand_context():
+            _, _, hand_counts = _step(apply_hand_written(by_hand, mesh if names is None else mesh["tp"]), ids, labels)
         assert_every_rank_matches(loss, expected_loss)
         for param, grad in grads.items():
             assert_every_rank_matches(grad, expected_grads[param])
@@ -158,6 +162,25 @@ def test_llama_seed_policy_builds_the_hand_written_plan_with_recompute_and_stage
     assert plan.stage_starts == {0: "", 1: "model.layers.1"}
     # the recompute re-runs o_proj's all-reduce; it stops before down_proj, whose output backward does not need
     assert counts == {"all_reduce": 2 * 2 + 2 * 5 + 1 + 2, "all_gather_into_tensor": 1}
+
+
+def test_llama_loss_parallel_from_yaml():
+    """The logits stay vocab-sharded DTensors into Hugging Face's cross-entropy, run under torch's loss_parallel."""
+    yaml = LINEAR_YAML + '- name: torch.nn.functional.cross_entropy\n  allowed_partition_dims: ["0,-1"]\n'
+
+    def hand(model, mesh):
+        plan = hand_written_plan(model)
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        return parallelize_module(model, mesh, plan)
+
+    def by_policy(model, mesh, ids):  # the trace needs labels, so that the loss runs: any token ids will do
+        return parallelize(model, mesh, (ids, None, None, None, None, ids), constraints=yaml, strict=True)
+
+    model, counts = _compare("llama", (4,), by_policy, hand, hand_context=loss_parallel)
+    assert str(model.policy_plan.module_styles["lm_head"]) == (
+        "ColwiseParallel(output_layouts=Shard(2), use_local_output=False)")
+    # no all-gather of the logits: loss parallelism all-reduces per-token maxima, sums and target logits instead
+    assert counts == {"all_reduce": 2 * 2 + 2 * 5 + 1 + 3}
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
