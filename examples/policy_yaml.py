@@ -1,6 +1,6 @@
 """Tensor + sequence parallelism for a small Llama-style model from a 6-line YAML, on a simulated 4-rank mesh.
 
-Runs in seconds on CPU: ``PYTHONPATH=. python examples/policy_yaml.py``. It prints the plan the adapter derived
+Runs in seconds on CPU, from any directory: ``python examples/policy_yaml.py``. It prints the plan the adapter derived
 (torchtitan's Llama-3 TP+SP plan), then checks the sharded forward and gradients against the unsharded model, and
 shows a run-time op constraint (``torch.sum`` inside ``MoE`` must run expert-sharded).
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtensor_ext.models import MoEModel, TinyLlama
 from dtensor_ext.policy import parallelize
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.testing.mesh import local_values
-from tests.policy.models import MoEModel, TinyLlama
 
 TP_SP_YAML = """\
 - name: torch.nn.functional.embedding
@@ -48,8 +48,8 @@ def main() -> None:
     expected.sum().backward()
 
     with simulated_mesh((4,)) as mesh:
-        plan = parallelize(model, mesh, (tokens,), constraints=TP_SP_YAML)
-        print(plan)
+        model = parallelize(model, mesh, (tokens,), constraints=TP_SP_YAML)
+        print(model.policy_plan)
         out = model(tokens)
         out.sum().backward()
         grads = dict(reference.named_parameters())
@@ -61,10 +61,10 @@ def main() -> None:
     moe_reference.load_state_dict(moe.state_dict())
     x = torch.randn(6, 8)
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(moe, mesh, (x,), constraints=MOE_YAML)
-        print(f"\n{plan}")
+        moe = parallelize(moe, mesh, (x,), constraints=MOE_YAML)
+        print(f"\n{moe.policy_plan}")
         error = _max_error(moe(x), moe_reference(x))
-    seen = ", ".join(f"{s.signature} in {s.module} saw {s.input_placements}" for s in plan.enforcer.seen)
+    seen = ", ".join(f"{s.signature} in {s.module} saw {s.input_placements}" for s in moe.policy_plan.enforcer.seen)
     print(f"MoE on 2 simulated ranks: {seen}; max |output - single device| = {error:.2e}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -17,8 +18,16 @@ from dtensor_ext.policy.enforce import ConstraintEnforcer, OpConstraint
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
+from dtensor_ext.policy.partial_grads import fix_partial_gradients
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
-from dtensor_ext.policy.styles import StyleSpec, infer_module_plan, module_style_kind
+from dtensor_ext.policy.styles import (
+    ChosenStyle,
+    StyleSpec,
+    first_op_on_input,
+    infer_module_plan,
+    is_norm_module,
+    module_style_kind,
+)
 
 __all__ = ["Plan", "PolicyConfig", "build_plan", "parallelize"]
 
@@ -46,12 +55,28 @@ class Plan:
     recompute_groups: dict[int, list[str]]
     stage_starts: dict[int, str]
     hooks: list[tuple[str, Callable | None, Callable | None]]
+    loss_ops: list[OpNode] = field(default_factory=list)
     enforcer: ConstraintEnforcer | None = field(default=None, repr=False)
+
+    def loss_context(self):
+        """torch's ``loss_parallel()`` where the plan keeps logits vocab-sharded into the loss (run forward and
+        backward under it, as torchtitan does), else a no-op context."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel() if self.loss_ops else contextlib.nullcontext()
 
     @property
     def module_plan(self) -> dict:
         """The ``parallelize_plan`` dict for torch's ``parallelize_module`` (fresh ParallelStyle objects)."""
         return {fqn: spec.build() for fqn, spec in self.module_styles.items()}
+
+    def module_plans(self, mesh: DeviceMesh) -> list[tuple[DeviceMesh, dict]]:
+        """(1-D mesh, ``parallelize_plan``) for each mesh dim the styles shard: ParallelStyles take a 1-D mesh,
+        so on an N-D mesh each runs on its named dim ('tp' unless the constraint named one)."""
+        by_dim: dict[str | None, dict] = {}
+        for fqn, spec in self.module_styles.items():
+            by_dim.setdefault(spec.mesh_dim, {})[fqn] = spec.build()
+        return [(_mesh_dim(mesh, name), plan) for name, plan in by_dim.items()]
 
     def split_spec(self) -> dict:
         """Stage boundaries as ``torch.distributed.pipelining.pipeline(..., split_spec=...)`` expects them."""
@@ -63,7 +88,12 @@ class Plan:
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)} "
                  f"({len(self.graph)} traced ops)"]
         lines.append("  module plan:" if self.module_styles else "  module plan: (none)")
-        lines += [f"    {fqn}: {spec}" for fqn, spec in self.module_styles.items()]
+        for fqn, spec in self.module_styles.items():
+            lines.append(f"    {fqn}: {spec}")
+            lines += [f"      # {spec.why}"] if spec.why else []
+        if self.loss_ops:
+            lines.append("  loss parallel (run forward and backward under plan.loss_context()):")
+            lines += [f"    {node}" for node in self.loss_ops]
         lines.append("  op constraints:" if self.op_constraints else "  op constraints: (none)")
         lines += [f"    {c.describe()}" for c in self.op_constraints]
         if self.recompute_groups:
@@ -79,6 +109,17 @@ class Plan:
         return "\n".join(lines)
 
 
+def _mesh_dim(mesh: DeviceMesh, name: str | None) -> DeviceMesh:
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1 and (name is None or name in names):
+        return mesh
+    if (name or "tp") not in names:
+        raise PolicyError("parallelize", "mesh", f"{tuple(mesh.shape)} named {names or None}",
+                          f"a mesh with a dim named {name or 'tp'!r} for the ParallelStyles that shard it "
+                          "(init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+    return mesh[name or "tp"]
+
+
 def _name(fn: Callable | None) -> str:
     return getattr(fn, "__qualname__", repr(fn)) if fn is not None else "-"
 
@@ -89,6 +130,7 @@ class _Decision:
     allowed: tuple[tuple[int, int], ...]  # normalized dims; empty = replicate
     replica_allowed: bool
     source: str
+    mesh_dim: str | None = None
 
 
 def build_plan(
@@ -100,10 +142,12 @@ def build_plan(
     policy: Callable | None = None,
     cfg: object = None,
     warn_unused: bool = False,
+    strict: bool = False,
 ) -> Plan:
     """Trace ``model(*example_inputs)`` and turn YAML constraints (a path, a YAML string or Constraint objects)
     or a ``policy(graph, cfg)`` generator of OpPlans into a Plan. Unused constraints are errors unless
-    ``warn_unused``."""
+    ``warn_unused``. A column-parallel output gathered where a row-parallel consumer would keep it sharded
+    warns (PlanWarning), or raises PolicyError under ``strict``."""
     if (constraints is None) == (policy is None):
         raise PolicyError("build_plan", "constraints/policy", "both" if policy else "neither",
                           "exactly one of constraints= (YAML) or policy= (a generator of OpPlan)")
@@ -124,14 +168,33 @@ def build_plan(
         if styled is not None and decision.node.fqn in chosen:
             raise PolicyError(decision.source, "op", str(decision.node),
                               f"one partitioned op per module; module {decision.node.fqn!r} already runs "
-                              f"{chosen[decision.node.fqn][2]} with a ParallelStyle")
+                              f"{chosen[decision.node.fqn].node} with a ParallelStyle")
         if styled is not None:
+            styled.mesh_dim = decision.mesh_dim
             chosen[decision.node.fqn] = styled
         else:
             free.append(decision)
-    plan = Plan(mesh, graph, infer_module_plan(graph, chosen), _op_constraints(graph, free),
-                recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks)
+    losses = {d.node.index: d for d in free if _is_loss_parallel(d)}
+    free = [d for d in free if d.node.index not in losses]
+    styles = infer_module_plan(graph, chosen, strict=strict, loss_ops={i: d.source for i, d in losses.items()})
+    styles = fix_partial_gradients(graph, chosen, styles)
+    plan = Plan(mesh, graph, styles, _op_constraints(graph, free),
+                recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks,
+                [graph.nodes[i] for i in losses])
     return plan
+
+
+_LOSSES = ("torch.nn.functional.cross_entropy",)
+
+
+def _is_loss_parallel(d: _Decision) -> bool:
+    """A cross-entropy partitioned on the class dim of its (tokens, classes) input: torch's loss parallelism."""
+    if d.node.signature not in _LOSSES or not d.allowed:
+        return False
+    if d.allowed != ((0, 1),) or len(d.node.input_shapes[0]) != 2:
+        raise PolicyError(d.source, "allowed_partition_dims", [f"{i},{dim}" for i, dim in d.allowed],
+                          f"'0,-1' on the (tokens, classes) logits of {d.node} (loss parallelism)")
+    return True
 
 
 def _trace_outside_simulation(model, example_inputs) -> GraphView:
@@ -163,14 +226,14 @@ def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint],
     decisions: dict[int, _Decision] = {}
     classes = graph.module_classes()
     for c in constraints:
-        named = [n for n in graph.nodes if c.name in n.names]
+        named = [n for n in graph.nodes if c.name in n.names] or _norm_module_ops(graph, c.name)
         problem = None
         if c.parent_module is not None and c.parent_module not in classes:
             problem = ("parent_module", c.parent_module,
                        f"a module class the model runs: {', '.join(sorted(classes))}")
         elif not named:
             seen = sorted({n.signature for n in graph.nodes})
-            problem = ("name", c.name, f"an op the model runs: {', '.join(seen)}")
+            problem = ("name", c.name, f"an op the model runs: {', '.join(seen)}; or the class of a norm module")
         elif c.parent_module is not None and not any(n.in_module_class(c.parent_module) for n in named):
             problem = ("parent_module", c.parent_module, f"a module class that runs {c.name}")
         if problem is not None:
@@ -187,8 +250,15 @@ def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint],
                                   f"one constraint per op; {node} is already constrained by "
                                   f"{decisions[node.index].source}")
             allowed = _check_dims(node, c.allowed_partition_dims, c.source, "allowed_partition_dims")
-            decisions[node.index] = _Decision(node, allowed, c.replica_allowed, c.source)
+            decisions[node.index] = _Decision(node, allowed, c.replica_allowed, c.source, c.mesh_dim)
     return [decisions[i] for i in sorted(decisions)]
+
+
+def _norm_module_ops(graph: GraphView, class_name: str) -> list[OpNode]:
+    """A norm module class named as a constraint's op (``LlamaRMSNorm``): the first op on each one's input."""
+    calls = [fqn for fqn, call in graph.module_calls.items()
+             if type(call.module).__name__ == class_name and is_norm_module(call.module)]
+    return [op for op in (first_op_on_input(graph, fqn) for fqn in calls) if op is not None]
 
 
 def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
@@ -212,7 +282,7 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
                                                                                   plan.partition.dim)):
                 raise PolicyError(where, "partition", plan.partition, "OpPartition with integer input and dim")
             allowed = _check_dims(node, [(plan.partition.input, plan.partition.dim)], where, "partition")
-            decisions[node.index] = _Decision(node, allowed, False, where)
+            decisions[node.index] = _Decision(node, allowed, False, where, plan.mesh_dim)
         elif plan.partition is None:
             decisions[node.index] = _Decision(node, (), True, where)
         elif plan.partition != "auto":
@@ -229,8 +299,8 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
     return [decisions[i] for i in sorted(decisions)], recompute_ids, stage_ids, list(hooks)
 
 
-def _module_style(graph: GraphView, d: _Decision, chosen: dict):
-    """(kind, sequence dim, op, source) where the decision is a ParallelStyle of the op's module, else None.
+def _module_style(graph: GraphView, d: _Decision, chosen: dict[str, ChosenStyle]) -> ChosenStyle | None:
+    """The ParallelStyle kind of the op's module where the decision is one, else None.
 
     Where both column- and row-parallel are allowed, pair them as Megatron does: row-parallel when the op's
     input derives from a column-parallel output (already sharded on features), column-parallel otherwise."""
@@ -244,15 +314,22 @@ def _module_style(graph: GraphView, d: _Decision, chosen: dict):
                           f"a partition of {d.node} that a ParallelStyle implements: {listed}")
     by_kind = {kind: (kind, seq) for kind, seq in reversed(options)}
     if "colwise" in by_kind and "rowwise" in by_kind:
-        colwise_ops = {node.index for kind, _, node, _ in chosen.values() if kind == "colwise"}
-        pick = "rowwise" if _derives_from(graph, d.node.input_ids[0], colwise_ops, chosen) else "colwise"
-        return (*by_kind[pick], d.node, d.source)
-    return (*options[0], d.node, d.source)
+        colwise = {c.node.index: fqn for fqn, c in chosen.items() if c.kind == "colwise"}
+        source = _derives_from(graph, d.node.input_ids[0], colwise, chosen)
+        if source is not None:
+            return ChosenStyle("rowwise", d.node, d.source,
+                               why=f"rowwise: input from colwise {source}")
+        return ChosenStyle("colwise", d.node, d.source,
+                           why="colwise: input from no colwise linear")
+    kind, seq = options[0]
+    allowed = ", ".join(f"'{i},{dim}'" for i, dim in d.allowed)
+    return ChosenStyle(kind, d.node, d.source, seq, why=f"{kind}: the only style {allowed} allows")
 
 
-def _derives_from(graph: GraphView, tensor_id: int | None, targets: set[int], chosen: dict) -> bool:
-    """Whether the tensor is computed from one of the `targets` ops through ops that are not module styles."""
-    styled = {node.index for _, _, node, _ in chosen.values()}
+def _derives_from(graph: GraphView, tensor_id: int | None, targets: dict[int, str],
+                  chosen: dict[str, ChosenStyle]) -> str | None:
+    """The module of a `targets` op the tensor is computed from, through ops that are not module styles."""
+    styled = {c.node.index for c in chosen.values()}
     todo, seen = [tensor_id] if tensor_id is not None else [], set()
     while todo:
         producer = graph.producer(todo.pop())
@@ -260,10 +337,10 @@ def _derives_from(graph: GraphView, tensor_id: int | None, targets: set[int], ch
             continue
         seen.add(producer.index)
         if producer.index in targets:
-            return True
+            return targets[producer.index]
         if producer.index not in styled:
-            todo.extend(i for i in producer.input_ids if i is not None)
-    return False
+            todo.extend(producer.operand_ids)
+    return None
 
 
 def _op_constraints(graph: GraphView, free: list[_Decision]) -> list[OpConstraint]:
@@ -278,7 +355,8 @@ def _op_constraints(graph: GraphView, free: list[_Decision]) -> list[OpConstrain
         key = (owner, node.signature)
         ordinal_of[node.index] = (owner, counts.get(key, 0))
         counts[key] = counts.get(key, 0) + 1
-    return [OpConstraint(d.node, d.allowed, d.replica_allowed, d.source, *ordinal_of[d.node.index]) for d in free]
+    return [OpConstraint(d.node, d.allowed, d.replica_allowed, d.source, *ordinal_of[d.node.index], d.mesh_dim)
+            for d in free]
 
 
 def parallelize(
@@ -290,17 +368,21 @@ def parallelize(
     policy: Callable | None = None,
     cfg: object = None,
     warn_unused: bool = False,
+    strict: bool = False,
     plan: Plan | None = None,
-) -> Plan:
-    """Build the plan (unless given) and apply it in place: ParallelStyles, op constraints, hooks, recompute."""
+    dp: str | None = None,
+    dp_dim: str = "dp",
+) -> torch.nn.Module:
+    """Build the plan (unless given) and apply it in place: ParallelStyles (each on its mesh dim, 'tp' by
+    default on an N-D mesh), op constraints, hooks, recompute, then ``dp='fully_shard'`` over ``dp_dim``.
+    Returns the module, as torch's ``parallelize_module`` does; the applied plan is ``model.policy_plan``."""
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
-                          warn_unused=warn_unused)
-    if plan.module_styles and mesh.ndim != 1:
-        raise PolicyError("parallelize", "mesh", tuple(mesh.shape),
-                          "a 1-D mesh for ParallelStyles (pass one dimension of a larger mesh, e.g. mesh['tp'])")
-    if plan.module_styles:
-        parallelize_module(model, mesh, plan.module_plan)
+                          warn_unused=warn_unused, strict=strict)
+    if dp not in (None, "fully_shard"):
+        raise PolicyError("parallelize", "dp", dp, "None or 'fully_shard' (torch's FSDP2 on the dp mesh dim)")
+    for sub_mesh, module_plan in plan.module_plans(mesh):
+        parallelize_module(model, sub_mesh, module_plan)
     if plan.op_constraints:
         plan.enforcer = ConstraintEnforcer(mesh, plan.op_constraints)
         plan.enforcer.install(model)
@@ -311,4 +393,21 @@ def parallelize(
         if post is not None:
             module.register_forward_hook(post)
     apply_recompute(model, plan.recompute_groups)
-    return plan
+    if dp == "fully_shard":
+        _fully_shard(model, mesh, dp_dim)
+    model.policy_plan = plan
+    return model
+
+
+def _fully_shard(model: torch.nn.Module, mesh: DeviceMesh, dp_dim: str) -> None:
+    """torch's FSDP2 over the dp dim, as torchtitan applies it: each numbered block (``layers.3``), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    if dp_dim not in (mesh.mesh_dim_names or ()):
+        raise PolicyError("parallelize", "dp_dim", dp_dim,
+                          f"a dim of the mesh, whose dims are named {mesh.mesh_dim_names}")
+    dp_mesh = mesh[dp_dim]
+    for fqn, module in model.named_modules():
+        if fqn.rsplit(".", 1)[-1].isdigit():
+            fully_shard(module, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)

@@ -16,7 +16,7 @@ from dtensor_ext.policy.errors import PolicyError
 __all__ = ["Constraint", "load_constraints", "parse_partition_dim"]
 
 REQUIRED_KEYS = ("name", "allowed_partition_dims")
-OPTIONAL_KEYS = ("parent_module", "replica_allowed")
+OPTIONAL_KEYS = ("parent_module", "replica_allowed", "mesh_dim")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Constraint:
     parent_module: str | None = None
     replica_allowed: bool = True
     source: str = field(default="<constraint>", compare=False)
+    mesh_dim: str | None = None  # the mesh dim it shards; None: 'tp' for ParallelStyles, every dim for op constraints
 
     def describe(self) -> str:
         dims = ", ".join(f"{i},{d}" for i, d in self.allowed_partition_dims)
@@ -123,4 +124,7 @@ def _parse_entry(node: yaml.Node, entry: str) -> Constraint:
     replica, at = values.get("replica_allowed", (True, where))
     if not isinstance(replica, bool):
         raise PolicyError(at, "replica_allowed", replica, "true or false")
-    return Constraint(name.strip(), parsed, parent, replica, where)
+    mesh_dim, at = values.get("mesh_dim", (None, where))
+    if mesh_dim is not None and (not isinstance(mesh_dim, str) or not mesh_dim.isidentifier()):
+        raise PolicyError(at, "mesh_dim", mesh_dim, "the name of a mesh dim such as tp or ep")
+    return Constraint(name.strip(), parsed, parent, replica, where, mesh_dim)

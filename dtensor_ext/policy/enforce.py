@@ -32,12 +32,14 @@ class OpConstraint:
     source: str
     owner: str = ""  # the innermost constrained module around the op (where ordinals are counted)
     ordinal: int = 0
+    mesh_dim: str | None = None  # shard on this mesh dim only; None: on every mesh dim
 
     def describe(self) -> str:
         if not self.allowed:
             return f"{self.node.signature} in {self.node.fqn or '<root>'}: replicate  [{self.source}]"
         dims = ", ".join(f"{i},{d}" for i, d in self.allowed)
-        return (f"{self.node.signature} #{self.ordinal} in {self.owner or '<root>'}: allowed [{dims}], "
+        on = f" on mesh dim {self.mesh_dim!r}" if self.mesh_dim else ""
+        return (f"{self.node.signature} #{self.ordinal} in {self.owner or '<root>'}: allowed [{dims}]{on}, "
                 f"replica_allowed={self.replica_allowed}  [{self.source}]")
 
 
@@ -97,7 +99,7 @@ class ConstraintEnforcer:
             if isinstance(a, torch.Tensor):
                 a = as_dtensor(a)
                 if choice is not None and i == choice[0]:
-                    a = a.redistribute(self.mesh, [Shard(choice[1])] * self.mesh.ndim)
+                    a = a.redistribute(self.mesh, self._sharded(constraint, choice[1]))
                 elif choice is None or not constraint.allowed:
                     a = a.redistribute(self.mesh, replicate)
                 args[i] = a
@@ -115,7 +117,7 @@ class ConstraintEnforcer:
             return None
         for index, dim in constraint.allowed:
             a = args[index] if index < len(args) else None
-            if isinstance(a, DTensor) and all(p == Shard(dim % a.ndim) for p in a.placements):
+            if isinstance(a, DTensor) and tuple(a.placements) == tuple(self._sharded(constraint, dim % a.ndim)):
                 return index, dim % a.ndim
         inputs_replicated = all(not isinstance(a, DTensor) or all(p.is_replicate() for p in a.placements)
                                 for a in args)
@@ -128,8 +130,8 @@ class ConstraintEnforcer:
                 reasons.append(f"input {index} is not a tensor")
             elif not -a.ndim <= dim < a.ndim:
                 reasons.append(f"input {index} has {a.ndim} dims, no dim {dim}")
-            elif a.shape[dim] < self.mesh.size():
-                reasons.append(f"input {index} dim {dim} has size {a.shape[dim]} < {self.mesh.size()} ranks")
+            elif a.shape[dim] < self._ranks(constraint):
+                reasons.append(f"input {index} dim {dim} has size {a.shape[dim]} < {self._ranks(constraint)} ranks")
             else:
                 return index, dim % a.ndim
         if constraint.replica_allowed:
@@ -139,6 +141,16 @@ class ConstraintEnforcer:
         raise PolicyError(f"{constraint.source}: op {constraint.node.signature} in module {module}",
                           "allowed_partition_dims", dims,
                           "a partition possible at run time with replica_allowed: false, but " + "; ".join(reasons))
+
+
+    def _sharded(self, constraint: OpConstraint, dim: int) -> list:
+        if constraint.mesh_dim is None:
+            return [Shard(dim)] * self.mesh.ndim
+        on = self.mesh.mesh_dim_names.index(constraint.mesh_dim)
+        return [Shard(dim) if i == on else Replicate() for i in range(self.mesh.ndim)]
+
+    def _ranks(self, constraint: OpConstraint) -> int:
+        return self.mesh.size() if constraint.mesh_dim is None else self.mesh[constraint.mesh_dim].size()
 
 
 def _map_tensors(value, fn):

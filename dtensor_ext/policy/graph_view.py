@@ -68,6 +68,7 @@ class ModuleCall:
     fqn: str
     module: torch.nn.Module
     arg_ids: tuple[int | None, ...]
+    kwarg_ids: dict[str, int] = field(default_factory=dict)  # tensor keyword arguments
     first_op: int = -1
     last_op: int = -1
 
@@ -85,6 +86,7 @@ class OpNode:
     kwargs: dict[str, object] = field(repr=False)
     input_ids: tuple[int | None, ...] = ()  # trace id of each positional arg that is a tensor
     kwarg_ids: tuple[int, ...] = ()
+    operand_ids: tuple[int, ...] = ()  # every tensor it read, also inside lists (torch.cat) and kwargs
     output_ids: tuple[int, ...] = ()
     input_shapes: tuple[tuple[int, ...] | None, ...] = ()
     output_shapes: tuple[tuple[int, ...], ...] = ()
@@ -112,9 +114,8 @@ class GraphView:
         self._consumers: dict[int, list[OpNode]] = {}
         self._producer: dict[int, OpNode] = {}
         for node in nodes:
-            for tid in (*node.input_ids, *node.kwarg_ids):
-                if tid is not None:
-                    self._consumers.setdefault(tid, []).append(node)
+            for tid in node.operand_ids:
+                self._consumers.setdefault(tid, []).append(node)
             for tid in node.output_ids:
                 self._producer[tid] = node
 
@@ -139,14 +140,40 @@ class GraphView:
 
 
 def _caller_expression() -> str:
-    """The source line of the innermost frame outside torch and this package: where the user's code made the op."""
+    """The exact expression in the innermost frame outside torch and this package that made the op: the call
+    being executed there (``self.gate_proj(x)``), located by the instruction's source positions."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_TORCH_DIR) and not filename.startswith(_POLICY_DIR):
-            return linecache.getline(filename, frame.f_lineno).strip()
+            return _expression_at(frame)
         frame = frame.f_back
     return ""
+
+
+def _expression_at(frame) -> str:
+    positions = list(frame.f_code.co_positions())
+    line, end_line, col, end_col = positions[frame.f_lasti // 2] if frame.f_lasti >= 0 else (None,) * 4
+    if None in (line, end_line, col, end_col):
+        return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    # columns count UTF-8 bytes
+    lines = [linecache.getline(frame.f_code.co_filename, n).encode() for n in range(line, end_line + 1)]
+    lines[-1] = lines[-1][:end_col]
+    lines[0] = lines[0][col:]
+    text = ""
+    for part in (p.decode().strip() for p in lines if p.strip()):
+        text += part if not text or text.endswith(("(", "[", "{")) or part.startswith((")", "]", "}")) else " " + part
+    return text
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
 
 
 class _Recorder(TorchFunctionMode):
@@ -155,7 +182,7 @@ class _Recorder(TorchFunctionMode):
         self.nodes: list[OpNode] = []
         self.calls: dict[str, ModuleCall] = {}
         self.stack: list[tuple[str, str]] = []  # (fqn, class name), outermost first
-        self._ids: dict[int, int] = {}  # id(tensor) -> trace id
+        self._ids: dict[int, int] = {}  # id(tensor) -> trace id of its latest version
         self._alive: list[torch.Tensor] = []  # keeps traced tensors alive so that ids stay unique
         self._handles = []
         for fqn, module in model.named_modules():
@@ -170,15 +197,22 @@ class _Recorder(TorchFunctionMode):
         if not isinstance(value, torch.Tensor):
             return None
         if id(value) not in self._ids:
-            self._ids[id(value)] = len(self._alive)
-            self._alive.append(value)
+            return self.new_version(value)
+        return self._ids[id(value)]
+
+    def new_version(self, value: torch.Tensor) -> int:
+        """A fresh trace id for an op's output. An op returning its own input (``x.contiguous()``,
+        ``x.to(x.dtype)``, in-place ops) makes a new version, so the dataflow runs through the op, not around it."""
+        self._ids[id(value)] = len(self._alive)
+        self._alive.append(value)
         return self._ids[id(value)]
 
     def _enter(self, fqn: str):
         def hook(module, args, kwargs):
             self.stack.append((fqn, type(module).__name__))
             if fqn not in self.calls:
-                self.calls[fqn] = ModuleCall(fqn, module, tuple(self.tensor_id(a) for a in args))
+                self.calls[fqn] = ModuleCall(fqn, module, tuple(self.tensor_id(a) for a in args), {
+                    k: self.tensor_id(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
         return hook
 
     def _leave(self, fqn: str):
@@ -188,6 +222,9 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        input_ids = tuple(self.tensor_id(a) for a in args)
+        kwarg_ids = tuple(self.tensor_id(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
+        operand_ids = tuple(dict.fromkeys(self.tensor_id(t) for t in _tensors_in((args, kwargs))))
         out = func(*args, **kwargs)
         outputs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
         if not outputs or getattr(func, "__name__", "") in ("__get__", "__set__"):
@@ -197,9 +234,8 @@ class _Recorder(TorchFunctionMode):
             index=len(self.nodes), fn=func, names=op_names(func), fqn=fqns[-1] if fqns else "",
             module_fqn_chain=fqns, module_class_chain=tuple(c for _, c in self.stack),
             call_expr=_caller_expression(), args=tuple(args), kwargs=dict(kwargs),
-            input_ids=tuple(self.tensor_id(a) for a in args),
-            kwarg_ids=tuple(self.tensor_id(v) for v in kwargs.values() if isinstance(v, torch.Tensor)),
-            output_ids=tuple(self.tensor_id(o) for o in outputs),
+            input_ids=input_ids, kwarg_ids=kwarg_ids, operand_ids=operand_ids,
+            output_ids=tuple(self.new_version(o) for o in outputs),
             input_shapes=tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args),
             output_shapes=tuple(tuple(o.shape) for o in outputs),
         )

@@ -30,8 +30,8 @@ Partition = Union[OpPartition, Literal["auto"], None]
 @dataclass(frozen=True)
 class OpPlan:
     """The decision for one op: its partition ('auto' lets DTensor decide, None replicates), recompute group
-    (ops sharing an id >= 0 form one checkpointed region), pipeline stage (>= 0), and hooks run around the
-    module that made the op."""
+    (ops sharing an id >= 0 form one checkpointed region), pipeline stage (>= 0), hooks run around the
+    module that made the op, and the mesh dim it shards."""
 
     op: OpNode
     partition: Partition = "auto"
@@ -39,6 +39,7 @@ class OpPlan:
     stage_id: int = -1
     pre_hook: Callable | None = None
     post_hook: Callable | None = None
+    mesh_dim: str | None = None  # the mesh dim the partition shards; None: 'tp' for ParallelStyles, else every dim
 
 
 def get_pas_ops(graph: GraphView) -> list[OpNode]:

@@ -9,6 +9,8 @@ output that reaches no row-parallel linear is gathered.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode
 
-__all__ = ["StyleSpec", "module_style_kind", "infer_module_plan"]
+__all__ = ["ChosenStyle", "PlanWarning", "StyleSpec", "module_style_kind", "infer_module_plan"]
 
 _TORCH_STYLES = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
                  "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput}
@@ -36,16 +38,20 @@ class StyleSpec:
 
     style: str
     kwargs: dict[str, object] = field(default_factory=dict)
+    why: str = field(default="", compare=False)
+    mesh_dim: str | None = None  # None: the 'tp' dim of an N-D mesh, the mesh itself when 1-D
 
     def build(self):
         return _TORCH_STYLES[self.style](**self.kwargs)
 
     def __str__(self) -> str:
         args = ", ".join(f"{k}={_layout_str(v)}" for k, v in self.kwargs.items())
-        return f"{self.style}({args})"
+        return f"{self.style}({args})" + (f" on mesh dim {self.mesh_dim!r}" if self.mesh_dim else "")
 
 
 def _layout_str(value: object) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_layout_str(v)}" for k, v in value.items()) + "}"
     if isinstance(value, tuple):
         return "(" + ", ".join(_layout_str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
     if isinstance(value, Shard):
@@ -74,29 +80,61 @@ def module_style_kind(node: OpNode, graph: GraphView) -> dict[tuple[int, int], t
         ndim = len(node.input_shapes[0])
         normalized = len(node.args[1]) if len(node.args) > 1 else len(node.kwargs["normalized_shape"])
         return {(0, d): ("sequence", d) for d in range(ndim - normalized)}
+    if is_norm_module(module) and node.input_ids and node is first_op_on_input(graph, node.fqn):
+        ndim = len(node.input_shapes[0])
+        return {(0, d): ("sequence", d) for d in range(ndim - len(module.weight.shape))}
     return None
 
 
+def is_norm_module(module: torch.nn.Module) -> bool:
+    """A norm written as a module of its own (Hugging Face's LlamaRMSNorm...): named *Norm, with a weight over the
+    trailing dims it normalizes."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)) or type(module).__name__.endswith("Norm")) \
+        and isinstance(weight, torch.nn.Parameter) and weight.ndim >= 1
+
+
+def first_op_on_input(graph: GraphView, fqn: str) -> OpNode | None:
+    """The first op of the module's (first) call that reads the module's first input: the op a policy or YAML
+    entry names to partition a norm module."""
+    call = graph.module_calls[fqn]
+    tid = call.arg_ids[0] if call.arg_ids else next(iter(call.kwarg_ids.values()), None)
+    return next((n for n in graph.consumers(tid) if call.first_op <= n.index <= call.last_op), None) \
+        if tid is not None else None
+
+
 @dataclass
-class _Styled:
+class ChosenStyle:
+    """A module op's style kind ('colwise', 'rowwise', 'sequence') and why; layouts are filled in from the
+    dataflow by infer_module_plan."""
+
     kind: str
     node: OpNode
     source: str
     seq_dim: int | None = None
+    why: str = ""
+    mesh_dim: str | None = None
     input_layout: object = None
     output_layout: object = None
 
 
-def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None, OpNode, str]]) -> dict[str, StyleSpec]:
-    """`chosen`: module fqn -> (kind, sequence dim, op, source of the decision). Returns the module plan in
-    execution order."""
-    styled = {fqn: _Styled(kind, node, source, seq) for fqn, (kind, seq, node, source) in chosen.items()}
+class PlanWarning(UserWarning):
+    """The plan moves more data than a column/row pairing the constraints could allow would."""
+
+
+def infer_module_plan(graph: GraphView, chosen: dict[str, ChosenStyle], strict: bool = False,
+                      loss_ops: dict[int, str] | None = None) -> dict[str, StyleSpec]:
+    """`chosen`: module fqn -> its style kind; `loss_ops`: op index -> source of each loss-parallel loss. Returns
+    the module plan in execution order; a gather that a row-parallel consumer would avoid warns (PolicyError under
+    `strict`)."""
+    loss_ops = dict(loss_ops or {})  # emptied as column-parallel producers are found
+    styled = chosen  # layouts are filled in place: the partial-gradient check reads them
     by_node = {s.node.index: s for s in styled.values()}
     seq_dims = {s.seq_dim for s in styled.values() if s.kind == "sequence"}
     seq_dim = min(seq_dims) if seq_dims else None
 
-    def reached(tensor_ids) -> list[_Styled]:
-        """Styled ops reached from these tensors through free ops."""
+    def reached(tensor_ids) -> list[OpNode]:
+        """The styled ops and the unstyled linears reached from these tensors through free ops."""
         found, todo, seen = [], list(tensor_ids), set()
         while todo:
             tid = todo.pop()
@@ -104,18 +142,38 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None,
                 if consumer.index in seen:
                     continue
                 seen.add(consumer.index)
-                if consumer.index in by_node:
-                    found.append(by_node[consumer.index])
+                if consumer.index in by_node or consumer.index in loss_ops \
+                        or consumer.signature == "torch.nn.functional.linear":
+                    found.append(consumer)
                 else:
                     todo.extend(consumer.output_ids)
         return found
 
     for s in styled.values():
-        downstream = {r.kind for r in reached(s.node.output_ids)}
-        if s.kind == "rowwise" and seq_dim is not None and "sequence" in downstream:
+        downstream = reached(s.node.output_ids)
+        kinds = {by_node[n.index].kind for n in downstream if n.index in by_node}
+        if s.kind == "rowwise" and seq_dim is not None and "sequence" in kinds:
             s.output_layout = Shard(seq_dim)
-        if s.kind == "colwise" and "rowwise" not in downstream:
+            norm = next(n for n in downstream if n.index in by_node and by_node[n.index].kind == "sequence")
+            s.why += f"; output Shard({seq_dim}), kept DTensor, for SP {norm.fqn}"
+        losses = [n for n in downstream if n.index in loss_ops]
+        if s.kind == "colwise" and losses:
+            s.output_layout = Shard(len(s.node.output_shapes[0]) - 1)
+            s.why += f"; output vocab-sharded, kept DTensor, into loss-parallel {losses[0].signature}"
+            for n in losses:
+                loss_ops.pop(n.index)
+        elif s.kind == "colwise" and "rowwise" not in kinds:
             s.output_layout = Replicate()
+            blockers = [n for n in downstream if n.index not in by_node or by_node[n.index].kind == "colwise"]
+            s.why += "; output gathered: no rowwise linear follows"
+            if blockers:
+                _warn_gather(s, blockers, by_node, strict)
+
+    if loss_ops:
+        index, source = next(iter(loss_ops.items()))
+        raise PolicyError(source, "allowed_partition_dims", "0,-1",
+                          f"a loss whose logits come from a column-parallel linear (loss parallelism): "
+                          f"{graph.nodes[index]} reads none")
 
     def seq_sharded(tid: int | None, depth: int = 0) -> bool:
         producer = graph.producer(tid) if tid is not None else None
@@ -136,34 +194,55 @@ def infer_module_plan(graph: GraphView, chosen: dict[str, tuple[str, int | None,
                               "its input (e.g. the embedding as '1,0') or do not partition this norm")
         if s.kind == "colwise" and seq_sharded(activation):
             s.input_layout = Shard(seq_dim)
+            s.why += f"; input Shard({seq_dim}) gathered here"
 
     plan: dict[str, StyleSpec] = {}
     for fqn, call in graph.module_calls.items():
         if not fqn or fqn in styled:
             continue
-        hoisted = []
-        for tid in call.arg_ids:
+        hoisted, readers = [], 0
+        for tid in (*call.arg_ids, *call.kwarg_ids.values()):
             inside = [c for c in graph.consumers(tid) if c.fqn == fqn or c.fqn.startswith(fqn + ".")] if tid else []
             hoist = (tid is not None and bool(inside) and seq_sharded(tid)
                      and all(c.index in by_node and by_node[c.index].kind == "colwise"
                              and by_node[c.index].input_layout is not None for c in inside))
             hoisted.append(hoist)
             if hoist:
+                readers += len(inside)
                 for c in inside:
                     by_node[c.index].input_layout = None
-        if any(hoisted):
-            plan[fqn] = StyleSpec("PrepareModuleInput", {
-                "input_layouts": tuple(Shard(seq_dim) if h else None for h in hoisted),
-                "desired_input_layouts": tuple(Replicate() if h else None for h in hoisted)})
+                    by_node[c.index].why = by_node[c.index].why.replace(
+                        f"; input Shard({seq_dim}) gathered here", f"; input gathered by {fqn}")
+        positional, keyword = hoisted[:len(call.arg_ids)], dict(zip(call.kwarg_ids, hoisted[len(call.arg_ids):]))
+        kwargs = {}
+        if any(positional):
+            kwargs["input_layouts"] = tuple(Shard(seq_dim) if h else None for h in positional)
+            kwargs["desired_input_layouts"] = tuple(Replicate() if h else None for h in positional)
+        if any(keyword.values()):
+            kwargs["input_kwarg_layouts"] = {k: Shard(seq_dim) for k, h in keyword.items() if h}
+            kwargs["desired_input_kwarg_layouts"] = {k: Replicate() for k, h in keyword.items() if h}
+        if kwargs:
+            plan[fqn] = StyleSpec("PrepareModuleInput", kwargs, why=f"one all-gather for {readers} colwise readers")
     for fqn, s in styled.items():
-        plan[fqn] = _spec(s)
+        plan[fqn] = dataclasses.replace(_spec(s), mesh_dim=s.mesh_dim)
     order = {fqn: i for i, fqn in enumerate(graph.module_calls)}
     return dict(sorted(plan.items(), key=lambda item: order[item[0]]))
 
 
-def _spec(s: _Styled) -> StyleSpec:
+def _warn_gather(s: ChosenStyle, blockers: list[OpNode], by_node: dict[int, ChosenStyle], strict: bool) -> None:
+    """A column-parallel output gathered before a linear: that linear, row-parallel, would keep it sharded."""
+    names = ", ".join(f"{n.fqn} ({'column-parallel' if n.index in by_node else 'not partitioned'})"
+                      for n in blockers)
+    message = (f"{s.node.fqn}: ColwiseParallel output is all-gathered because the linear(s) it feeds are not "
+               f"row-parallel: {names}; allowing '1,1' (RowwiseParallel) there keeps it sharded")
+    if strict:
+        raise PolicyError(s.source, "allowed_partition_dims", s.node.fqn, message)
+    warnings.warn(message, PlanWarning, stacklevel=4)
+
+
+def _spec(s: ChosenStyle) -> StyleSpec:
     if s.kind == "sequence":
-        return StyleSpec("SequenceParallel", {"sequence_dim": s.seq_dim} if s.seq_dim != 1 else {})
+        return StyleSpec("SequenceParallel", {"sequence_dim": s.seq_dim} if s.seq_dim != 1 else {}, s.why)
     kwargs = {}
     if s.input_layout is not None:
         kwargs["input_layouts"] = s.input_layout
@@ -171,4 +250,6 @@ def _spec(s: _Styled) -> StyleSpec:
         kwargs["input_layouts"] = Replicate()
     if s.output_layout is not None:
         kwargs["output_layouts"] = s.output_layout
-    return StyleSpec("ColwiseParallel" if s.kind == "colwise" else "RowwiseParallel", kwargs)
+    if isinstance(s.output_layout, Shard):
+        kwargs["use_local_output"] = False  # the sequence-sharded residual stream stays DTensor: global shapes
+    return StyleSpec("ColwiseParallel" if s.kind == "colwise" else "RowwiseParallel", kwargs, s.why)

@@ -1,106 +1,6 @@
-"""Small models for the policy tests: a Llama-style transformer (torchtitan module names), an MLP and a MoE layer."""
+"""The policy tests' constraints and policies for the package's reference models (dtensor_ext.models)."""
 
 from __future__ import annotations
-
-import torch
-from torch import nn
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x):
-        bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        scores = torch.softmax(q @ k.transpose(-2, -1) / self.head_dim**0.5, dim=-1)
-        out = (scores @ v).transpose(1, 2).reshape(bsz, seqlen, -1)
-        return self.wo(out)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(dim)
-        self.attention = Attention(dim, n_heads)
-        self.ffn_norm = nn.RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, hidden)
-
-    def forward(self, x):
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class TinyLlama(nn.Module):
-    def __init__(self, vocab: int = 32, dim: int = 16, n_heads: int = 4, hidden: int = 32, n_layers: int = 2):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(dim, n_heads, hidden) for i in range(n_layers)})
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h)
-        return self.output(self.norm(h))
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(8)
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-class MoE(nn.Module):
-    """Dense-computed mixture of experts: every expert runs, the router weights combine them with torch.sum."""
-
-    def __init__(self, dim: int = 8, hidden: int = 16, n_experts: int = 4):
-        super().__init__()
-        self.router = nn.Linear(dim, n_experts, bias=False)
-        self.w_in = nn.Parameter(torch.randn(n_experts, dim, hidden) / dim**0.5)
-        self.w_out = nn.Parameter(torch.randn(n_experts, hidden, dim) / hidden**0.5)
-
-    def forward(self, x):
-        gates = torch.softmax(self.router(x), dim=-1)  # (tokens, experts)
-        hidden = torch.relu(torch.einsum("td,edh->eth", x, self.w_in))
-        expert_out = torch.einsum("eth,ehd->etd", hidden, self.w_out)
-        return torch.sum(expert_out * gates.t().unsqueeze(-1), dim=0)
-
-
-class MoEModel(nn.Module):
-    def __init__(self, dim: int = 8, n_experts: int = 4):
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        self.moe = MoE(dim, 2 * dim, n_experts)
-
-    def forward(self, x):
-        h = self.proj(x)
-        return h + self.moe(h).sum(dim=-1, keepdim=True)
-
 
 # torchtitan's Llama-3 TP+SP plan, as YAML: the adapter pairs column/row-parallel linears itself.
 LLAMA_TP_YAML = """\
@@ -133,3 +33,35 @@ MOE_YAML = """\
   allowed_partition_dims: ["0,0"]
   replica_allowed: false
 """
+
+
+def torchtitan_llama_plan(n_layers: int = 2) -> dict:
+    """torchtitan's Llama-3 TP+SP plan for TinyLlama, written by hand (what LLAMA_TP_YAML must reproduce)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(n_layers):
+        def gather():
+            return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+        plan.update({
+            f"layers.{i}.attention_norm": SequenceParallel(),
+            f"layers.{i}.attention": gather(),
+            **{f"layers.{i}.attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")},
+            f"layers.{i}.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            f"layers.{i}.ffn_norm": SequenceParallel(),
+            f"layers.{i}.feed_forward": gather(),
+            **{f"layers.{i}.feed_forward.{n}": ColwiseParallel() for n in ("w1", "w3")},
+            f"layers.{i}.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan

@@ -72,7 +72,7 @@ def test_entry_not_a_mapping():
 def test_unknown_key():
     assert _error('- name: torch.sum\n  allowed_partition_dims: ["0,0"]\n  replica: false\n') == (
         "<yaml> entry 0 (line 3): field 'replica' got False; expected one of the keys name, "
-        "allowed_partition_dims, parent_module, replica_allowed")
+        "allowed_partition_dims, parent_module, replica_allowed, mesh_dim")
 
 
 def test_repeated_key():
@@ -136,12 +136,13 @@ _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_s
 _VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                           st.dictionaries(st.text(max_size=4), inner, max_size=2)),
                        max_leaves=6)
-_KEYS = st.sampled_from(["name", "allowed_partition_dims", "parent_module", "replica_allowed", "bogus"])
+_KEYS = st.sampled_from(["name", "allowed_partition_dims", "parent_module", "replica_allowed", "mesh_dim", "bogus"])
 _ENTRY = st.one_of(
     st.fixed_dictionaries({"name": st.sampled_from(["torch.sum", "mylib::op"]),
                            "allowed_partition_dims": st.lists(st.sampled_from(["0,0", "1,-1", "0,2"]), min_size=1)},
                           optional={"parent_module": st.sampled_from(["MoE", "Block"]),
-                                    "replica_allowed": st.booleans()}),
+                                    "replica_allowed": st.booleans(),
+                                    "mesh_dim": st.sampled_from(["tp", "ep", "1x"])}),
     st.dictionaries(_KEYS, _VALUES, max_size=4),
     _VALUES,
 )
@@ -158,3 +159,8 @@ def test_fuzzed_documents_parse_or_raise_policy_error(document, garbage):
             assert isinstance(exc.field, str) and exc.expected and str(exc).startswith(exc.where)
         else:
             assert all(isinstance(c, Constraint) for c in constraints)
+
+
+def test_mesh_dim_not_a_name():
+    assert _error('- name: torch.sum\n  allowed_partition_dims: ["0,0"]\n  mesh_dim: 1\n') == (
+        "<yaml> entry 0 (line 3): field 'mesh_dim' got 1; expected the name of a mesh dim such as tp or ep")

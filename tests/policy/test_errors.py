@@ -16,11 +16,11 @@ from dtensor_ext.policy import (
     get_called_self_module_name,
     get_layer_index,
 )
-from tests.policy.models import MLP, MoEModel
+from dtensor_ext.models import MLP, MoEModel
 
-SUM_OP = "%9 torch.sum in moe [return torch.sum(expert_out * gates.t().unsqueeze(-1), dim=0)]"
-PROJ_OP = "%0 torch.nn.functional.linear in proj [h = self.proj(x)]"
-EINSUM_OP = '%5 torch.einsum in moe [expert_out = torch.einsum("eth,ehd->etd", hidden, self.w_out)]'
+SUM_OP = "%9 torch.sum in moe [torch.sum(expert_out * gates.t().unsqueeze(-1), dim=0)]"
+PROJ_OP = "%0 torch.nn.functional.linear in proj [self.proj(x)]"
+EINSUM_OP = '%5 torch.einsum in moe [torch.einsum("eth,ehd->etd", hidden, self.w_out)]'
 
 
 def _yaml(name="torch.sum", dims='["0,0"]', parent="MoE"):
@@ -62,7 +62,7 @@ def test_op_name_matching_nothing(error):
     assert error(constraints=_yaml(name="torch.cumsum")) == (
         "<yaml> entry 0 (line 1): field 'name' got 'torch.cumsum'; expected an op the model runs: torch.Tensor.add, "
         "torch.Tensor.mul, torch.Tensor.sum, torch.Tensor.t, torch.Tensor.unsqueeze, torch.einsum, "
-        "torch.nn.functional.linear, torch.relu, torch.softmax, torch.sum")
+        "torch.nn.functional.linear, torch.relu, torch.softmax, torch.sum; or the class of a norm module")
 
 
 def test_parent_module_class_never_occurs(error):
@@ -137,14 +137,13 @@ def test_non_contiguous_recompute_group(error):
     plans = lambda nodes: [OpPlan(nodes[0], recompute_id=0), OpPlan(nodes[1], recompute_id=1),  # noqa: E731
                            OpPlan(nodes[2], recompute_id=0)]
     assert error(policy=_policy(plans)) == (
-        "policy op %1 torch.nn.functional.linear in moe.router [gates = torch.softmax(self.router(x), dim=-1)  # "
-        "(tokens, experts)]: field 'recompute_id' got 1; expected 0: recompute group 0 spans ops %0..%2, a group "
+        "policy op %1 torch.nn.functional.linear in moe.router [self.router(x)]: field 'recompute_id' got 1; expected 0: recompute group 0 spans ops %0..%2, a group "
         "must be contiguous in execution order")
 
 
 def test_recompute_group_splitting_a_module(error):
     assert error(policy=_policy(lambda nodes: [OpPlan(nodes[10], recompute_id=0)])) == (
-        "policy op %10 torch.Tensor.sum in <root> [return h + self.moe(h).sum(dim=-1, keepdim=True)]: field "
+        "policy op %10 torch.Tensor.sum in <root> [self.moe(h).sum(dim=-1, keepdim=True)]: field "
         "'recompute_id' got 0; expected groups that cover whole modules; module '<root>' also runs ops outside "
         "this group")
 
@@ -153,7 +152,7 @@ def test_stage_ids_going_backwards(error):
     plans = lambda nodes: [OpPlan(nodes[0], stage_id=0), OpPlan(nodes[1], stage_id=1),  # noqa: E731
                            OpPlan(nodes[10], stage_id=0)]
     assert error(policy=_policy(plans)) == (
-        "policy op %10 torch.Tensor.sum in <root> [return h + self.moe(h).sum(dim=-1, keepdim=True)]: field "
+        "policy op %10 torch.Tensor.sum in <root> [self.moe(h).sum(dim=-1, keepdim=True)]: field "
         "'stage_id' got 0; expected a stage id >= 1: stage ids may not go backwards in execution order")
 
 
@@ -204,9 +203,9 @@ def test_one_parallel_style_per_module(mesh_1d2):
         build_plan(Twice(), mesh_1d2, (torch.randn(2, 4),),
                    constraints='- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0"]\n')
     assert str(info.value) == (
-        "<yaml> entry 0 (line 1): field 'op' got '%1 torch.nn.functional.linear in proj [return self.proj(self.proj("
-        "x))]'; expected one partitioned op per module; module 'proj' already runs %0 torch.nn.functional.linear in "
-        "proj [return self.proj(self.proj(x))] with a ParallelStyle")
+        "<yaml> entry 0 (line 1): field 'op' got '%1 torch.nn.functional.linear in proj [self.proj(self.proj(x))]'; "
+        "expected one partitioned op per module; module 'proj' already runs %0 torch.nn.functional.linear in proj "
+        "[self.proj(x)] with a ParallelStyle")
 
 
 def test_sequence_parallel_norm_on_replicated_input(mesh_1d2):
@@ -214,7 +213,26 @@ def test_sequence_parallel_norm_on_replicated_input(mesh_1d2):
         build_plan(MLP(), mesh_1d2, (torch.randn(3, 5, 8),),
                    constraints='- name: torch.nn.functional.layer_norm\n  allowed_partition_dims: ["0,1"]\n')
     assert str(info.value) == (
-        "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [return x + self.down(torch.nn."
-        "functional.gelu(self.up(self.norm(x))))]: field 'partition' got '0,1'; expected a sequence-parallel norm "
+        "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [self.norm(x)]: field 'partition' got '0,1'; expected a sequence-parallel norm "
         "whose input is sequence-sharded; shard the op producing its input (e.g. the embedding as '1,0') or do not "
         "partition this norm")
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 6)
+
+    def forward(self, x, target):
+        return torch.nn.functional.cross_entropy(self.head(x), target)
+
+
+def test_loss_parallel_needs_column_parallel_logits(mesh_1d2):
+    inputs = (torch.randn(5, 4), torch.randint(0, 6, (5,)))
+    with pytest.raises(PolicyError) as info:
+        build_plan(_Classifier(), mesh_1d2, inputs,
+                   constraints='- name: torch.nn.functional.cross_entropy\n  allowed_partition_dims: ["0,-1"]\n')
+    assert str(info.value) == (
+        "<yaml> entry 0 (line 1): field 'allowed_partition_dims' got '0,-1'; expected a loss whose logits come from "
+        "a column-parallel linear (loss parallelism): %1 torch.nn.functional.cross_entropy in <root> "
+        "[torch.nn.functional.cross_entropy(self.head(x), target)] reads none")

@@ -38,11 +38,11 @@ def test_nodes_expose_op_module_and_call_expression():
     graph = trace_graph(Outer(), (torch.randn(3, 4),))
     assert [(n.names, n.fqn, n.module_class_chain, n.call_expr) for n in graph] == [
         (("dtensor_ext_policy_test::scale",), "inner", ("Outer", "Inner"),
-         "y = torch.ops.dtensor_ext_policy_test.scale(x, 2.0)"),
+         "torch.ops.dtensor_ext_policy_test.scale(x, 2.0)"),
         (("aten::sum.dim_IntList", "aten::sum"), "inner", ("Outer", "Inner"),
-         "return torch.ops.aten.sum.dim_IntList(y, [0])"),
-        (("torch.Tensor.sum", "torch.sum"), "", ("Outer",), "return self.inner(x).sum() + x.shape[0]"),
-        (("torch.Tensor.add", "torch.add"), "", ("Outer",), "return self.inner(x).sum() + x.shape[0]"),
+         "torch.ops.aten.sum.dim_IntList(y, [0])"),
+        (("torch.Tensor.sum", "torch.sum"), "", ("Outer",), "self.inner(x).sum()"),
+        (("torch.Tensor.add", "torch.add"), "", ("Outer",), "self.inner(x).sum() + x.shape[0]"),
     ]
     assert graph.nodes[0].input_shapes == ((3, 4), None)
     assert graph.module_calls["inner"].first_op == 0 and graph.module_calls["inner"].last_op == 1

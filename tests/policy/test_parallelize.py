@@ -6,21 +6,11 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtensor_ext._compat import LocalTensor
 from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, get_pas_ops, parallelize
 from dtensor_ext.testing import simulated_mesh
-from dtensor_ext.testing.mesh import local_values
-from tests.policy.models import LLAMA_TP_YAML, MLP, MOE_YAML, MoEModel, TinyLlama, llama_tp_policy
-
-
-def _assert_every_rank_matches(actual, expected):
-    if isinstance(actual, DTensor):
-        actual = actual.full_tensor()
-    if not isinstance(actual, LocalTensor):  # nothing was sharded: a plain tensor, the same on every rank
-        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
-        return
-    for rank, value in local_values(actual).items():
-        torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"rank {rank}: {m}")
+from tests.policy.checks import assert_every_rank_matches
+from dtensor_ext.models import MLP, MoEModel, TinyLlama
+from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, llama_tp_policy
 
 
 def _copies(factory):
@@ -35,11 +25,11 @@ def _check_forward_and_grads(model, reference, inputs):
     expected = reference(*inputs)
     expected.square().sum().backward()
     out = model(*inputs)
-    _assert_every_rank_matches(out, expected)
+    assert_every_rank_matches(out, expected)
     out.square().sum().backward()
     grads = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        _assert_every_rank_matches(param.grad, grads[name].grad)
+        assert_every_rank_matches(param.grad, grads[name].grad)
 
 
 @pytest.mark.parametrize("form", ["yaml", "policy"])
@@ -48,7 +38,8 @@ def test_llama_tp_sp_matches_single_device(form):
     tokens = torch.randint(0, 32, (2, 8))
     source = {"constraints": LLAMA_TP_YAML} if form == "yaml" else {"policy": llama_tp_policy}
     with simulated_mesh((4,)) as mesh:
-        plan = parallelize(model, mesh, (tokens,), **source)
+        parallelize(model, mesh, (tokens,), **source)
+        plan = model.policy_plan
         assert model.layers["0"].attention.wq.weight.placements == (Shard(0),)
         assert model.layers["1"].feed_forward.w2.weight.placements == (Shard(1),)
         assert len(plan.module_styles) == 25
@@ -59,10 +50,11 @@ def test_mlp_tensor_parallel_without_sequence_parallel():
     model, reference = _copies(MLP)
     x = torch.randn(3, 5, 8)
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (x,), constraints="""\
+        parallelize(model, mesh, (x,), constraints="""\
 - name: torch.nn.functional.linear
   allowed_partition_dims: ["1,0", "0,-1"]
 """)
+        plan = model.policy_plan
         assert {k: str(v) for k, v in plan.module_styles.items()} == {
             "up": "ColwiseParallel()", "down": "RowwiseParallel()"}
         _check_forward_and_grads(model, reference, (x,))
@@ -82,7 +74,8 @@ def test_moe_sum_runs_expert_sharded(form, mesh_shape):
     x = torch.randn(6, 8)
     source = {"constraints": MOE_YAML} if form == "yaml" else {"policy": _moe_policy(OpPartition(0, 0))}
     with simulated_mesh(mesh_shape) as mesh:
-        plan = parallelize(model, mesh, (x,), **source)
+        parallelize(model, mesh, (x,), **source)
+        plan = model.policy_plan
         _check_forward_and_grads(model, reference, (x,))
     # one forward: the root's x.sum() (also torch.sum) lies outside MoE and is left alone
     assert [(s.signature, s.module, s.input_placements) for s in plan.enforcer.seen] == [
@@ -93,7 +86,8 @@ def test_replica_allowed_true_keeps_replicated_input():
     model, reference = _copies(MoEModel)
     x = torch.randn(6, 8)
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (x,), constraints=MOE_YAML.replace("false", "true"))
+        parallelize(model, mesh, (x,), constraints=MOE_YAML.replace("false", "true"))
+        plan = model.policy_plan
         _check_forward_and_grads(model, reference, (x,))
     assert plan.enforcer.seen[0].input_placements == ((Replicate(),),)
 
@@ -102,7 +96,8 @@ def test_policy_none_replicates_the_op():
     model, reference = _copies(MoEModel)
     x = torch.randn(6, 8)
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (x,), policy=_moe_policy(None))
+        parallelize(model, mesh, (x,), policy=_moe_policy(None))
+        plan = model.policy_plan
         _check_forward_and_grads(model, reference, (x,))
     assert plan.enforcer.seen[0].input_placements == ((Replicate(),),)
 
@@ -121,14 +116,34 @@ def test_replica_refused_when_no_allowed_partition_fits():
         "< 4 ranks")
 
 
-def test_parallel_styles_need_a_one_dimensional_mesh():
+def test_parallel_styles_need_a_named_tp_dim_on_a_2d_mesh():
     model = TinyLlama()
     tokens = torch.randint(0, 32, (2, 8))
     with simulated_mesh((2, 2)) as mesh:
         with pytest.raises(PolicyError) as info:
             parallelize(model, mesh, (tokens,), constraints=LLAMA_TP_YAML)
-    assert str(info.value) == ("parallelize: field 'mesh' got (2, 2); expected a 1-D mesh for ParallelStyles "
-                               "(pass one dimension of a larger mesh, e.g. mesh['tp'])")
+    assert str(info.value) == (
+        "parallelize: field 'mesh' got '(2, 2) named None'; expected a mesh with a dim named 'tp' for the "
+        "ParallelStyles that shard it (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+
+
+def test_llama_tp_sp_on_the_tp_dim_of_a_2d_mesh():
+    model, reference = _copies(TinyLlama)
+    tokens = torch.randint(0, 32, (2, 8))
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+        parallelize(model, mesh, (tokens,), constraints=LLAMA_TP_YAML)
+        assert model.layers["0"].attention.wq.weight.device_mesh.mesh_dim_names == ("tp",)
+        _check_forward_and_grads(model, reference, (tokens,))
+
+
+def test_op_constraint_shards_the_mesh_dim_it_names():
+    model, reference = _copies(MoEModel)
+    x = torch.randn(6, 8)
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "ep")) as mesh:
+        parallelize(model, mesh, (x,), constraints=MOE_YAML + "  mesh_dim: ep\n")
+        _check_forward_and_grads(model, reference, (x,))
+    assert "torch.sum #0 in moe: allowed [0,0] on mesh dim 'ep'" in str(model.policy_plan)
+    assert model.policy_plan.enforcer.seen[0].input_placements == ((Replicate(), Shard(0)),)
 
 
 def _saved_tensor_count(model, inputs) -> int:
@@ -154,7 +169,8 @@ def test_recompute_groups_checkpoint_whole_layers():
             yield OpPlan(op, recompute_id=int(op.fqn.split(".")[1]) if op.fqn.startswith("layers.") else -1)
 
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (tokens,), policy=policy)
+        parallelize(model, mesh, (tokens,), policy=policy)
+        plan = model.policy_plan
         assert plan.recompute_groups == {0: ["layers.0"], 1: ["layers.1"]}
         plain = _saved_tensor_count(reference, (tokens,))
         checkpointed = _saved_tensor_count(model, (tokens,))
@@ -192,7 +208,8 @@ def test_stage_split_spec_drives_torch_pipelining():
             yield OpPlan(op, stage_id=0 if op.fqn in ("tok_embeddings", "") or op.fqn.startswith("layers.0") else 1)
 
     with simulated_mesh((2,)) as mesh:
-        plan = parallelize(model, mesh, (tokens,), policy=policy)
+        parallelize(model, mesh, (tokens,), policy=policy)
+        plan = model.policy_plan
     pipe = pipeline(model, mb_args=(tokens,), split_spec=plan.split_spec())
     assert pipe.num_stages == 2
     assert next(iter(dict(pipe.get_stage_module(1).named_parameters()))).startswith("layers.1.")

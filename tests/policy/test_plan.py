@@ -8,7 +8,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from dtensor_ext.policy import OpPlan, build_plan, get_layer_index, get_pas_ops
 from dtensor_ext.testing import simulated_mesh
-from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, MoEModel, TinyLlama, llama_tp_policy
+from dtensor_ext.models import MoEModel, TinyLlama
+from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, llama_tp_policy
 
 
 def _llama_and_tokens():
@@ -24,31 +25,56 @@ class PrintedPlanTest(TestCase):
         self.assertExpectedInline(str(plan), """\
 Plan for TinyLlama on mesh (4,) (55 traced ops)
   module plan:
-    tok_embeddings: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    tok_embeddings: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+      # rowwise: the only style '1,0' allows; output Shard(1), kept DTensor, for SP layers.0.attention_norm
     layers.0.attention_norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     layers.0.attention: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+      # one all-gather for 3 colwise readers
     layers.0.attention.wq: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.0.attention
     layers.0.attention.wk: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.0.attention
     layers.0.attention.wv: ColwiseParallel()
-    layers.0.attention.wo: RowwiseParallel(output_layouts=Shard(1))
+      # colwise: input from no colwise linear; input gathered by layers.0.attention
+    layers.0.attention.wo: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+      # rowwise: input from colwise layers.0.attention.wv; output Shard(1), kept DTensor, for SP layers.0.ffn_norm
     layers.0.ffn_norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     layers.0.feed_forward: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+      # one all-gather for 2 colwise readers
     layers.0.feed_forward.w1: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.0.feed_forward
     layers.0.feed_forward.w3: ColwiseParallel()
-    layers.0.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1))
+      # colwise: input from no colwise linear; input gathered by layers.0.feed_forward
+    layers.0.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+      # rowwise: input from colwise layers.0.feed_forward.w3; output Shard(1), kept DTensor, for SP layers.1.attention_norm
     layers.1.attention_norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     layers.1.attention: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+      # one all-gather for 3 colwise readers
     layers.1.attention.wq: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.1.attention
     layers.1.attention.wk: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.1.attention
     layers.1.attention.wv: ColwiseParallel()
-    layers.1.attention.wo: RowwiseParallel(output_layouts=Shard(1))
+      # colwise: input from no colwise linear; input gathered by layers.1.attention
+    layers.1.attention.wo: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+      # rowwise: input from colwise layers.1.attention.wv; output Shard(1), kept DTensor, for SP layers.1.ffn_norm
     layers.1.ffn_norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     layers.1.feed_forward: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+      # one all-gather for 2 colwise readers
     layers.1.feed_forward.w1: ColwiseParallel()
+      # colwise: input from no colwise linear; input gathered by layers.1.feed_forward
     layers.1.feed_forward.w3: ColwiseParallel()
-    layers.1.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1))
+      # colwise: input from no colwise linear; input gathered by layers.1.feed_forward
+    layers.1.feed_forward.w2: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+      # rowwise: input from colwise layers.1.feed_forward.w3; output Shard(1), kept DTensor, for SP norm
     norm: SequenceParallel()
+      # sequence: the only style '0,1' allows
     output: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+      # colwise: input from no colwise linear; output gathered: no rowwise linear follows; input Shard(1) gathered here
   op constraints: (none)""")
         styles = plan.module_plan
         assert isinstance(styles["tok_embeddings"], RowwiseParallel)

@@ -1,0 +1,28 @@
+"""Comparisons of a parallelized model with its single-device copy, rank by rank on simulated meshes."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dtensor_ext._compat import LocalTensor
+from dtensor_ext.testing.mesh import local_values
+
+
+def rank_values(value: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's full value of a (possibly DTensor, possibly simulated per-rank) tensor."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if not isinstance(value, LocalTensor):  # nothing was sharded: a plain tensor, the same on every rank
+        return [value]
+    return list(local_values(value).values())
+
+
+def assert_every_rank_matches(actual, expected, atol=1e-5, rtol=1e-4):
+    for rank, value in enumerate(rank_values(actual)):
+        torch.testing.assert_close(value, expected, atol=atol, rtol=rtol, msg=lambda m: f"rank {rank}: {m}")
+
+
+@torch.no_grad()
+def max_error(actual, expected) -> float:
+    return max(float((v - expected).abs().max()) for v in rank_values(actual))
