@@ -18,6 +18,7 @@ __all__ = [
     "all_reduce_waits",
     "eliminate_dead_collectives",
     "insert_all_gather",
+    "insert_all_reduce_after",
     "insert_reduce_scatter",
     "is_collective",
 ]
@@ -88,6 +89,16 @@ def insert_all_gather(graph: Graph, shard: Node, dim: int, group_size: int, grou
         blocks = graph.call_function(_aten.permute.default, (blocks, order))
         blocks = graph.call_function(_aten.clone.default, (blocks,), {"memory_format": torch.contiguous_format})
         return graph.call_function(_aten.view.default, (blocks, full))
+
+
+def insert_all_reduce_after(graph: Graph, node: Node, group_name) -> Node:
+    """Sum ``node`` over the group right after it is computed; every former reader of ``node`` reads the sum."""
+    with graph.inserting_after(node):
+        reduced = graph.call_function(ALL_REDUCE, (node, "sum", group_name))
+    with graph.inserting_after(reduced):
+        waited = graph.call_function(WAIT, (reduced,))
+    node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not reduced)
+    return waited
 
 
 def eliminate_dead_collectives(graph: Graph) -> int:

@@ -12,6 +12,7 @@ output) and it does some arithmetic; otherwise none of its all_reduces changes.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,13 +44,19 @@ class SequenceParallelReport:
     dead_waits_removed: int = 0
     skipped: list[str] = field(default_factory=list)
     sharded_nodes: list[str] = field(default_factory=list)  # names of the nodes now computing on token shards
+    boundaries: list[str] = field(default_factory=list)  # consumers that needed every token: gathered before them
+    token_sums: int = 0  # sums over the token dim now run on shards followed by an all_reduce of the (small) result
+    bytes_before: int = 0  # per rank, ring algorithms, of the collectives the rewrite touched
+    bytes_after: int = 0
 
     def summary(self) -> str:
         pats = ", ".join(f"{p}={self.patterns[p]}" for p in PATTERNS if self.patterns[p])
         lines = [
             f"sequence_parallel: {self.converted}/{self.all_reduces} all_reduce -> reduce_scatter"
             f" ({pats or 'none'}), {self.all_gathers} all_gather inserted"
+            + (f", {self.token_sums} token sums all_reduced" if self.token_sums else "")
         ]
+        lines += [f"  gathered before: {reason}" for reason in self.boundaries]
         lines += [f"  left alone: {reason}" for reason in self.skipped]
         return "\n".join(lines)
 
@@ -59,7 +66,8 @@ class _Component:
     seeds: list[tuple[Node, Node]] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
     gathers: dict[Node, list[Node]] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
+    token_sums: list[Node] = field(default_factory=list)
+    boundaries: list[str] = field(default_factory=list)
     arithmetic: int = 0
 
 
@@ -72,7 +80,7 @@ def _seed_token_dim(wait: Node, token_dim: int | None) -> int | None:
     return dim % val.ndim if -val.ndim <= dim < val.ndim else None
 
 
-OPTIONS = ("token_dim", "token_local", "gather_points")
+OPTIONS = ("token_dim", "token_local", "gather_points", "byte_tolerance")
 
 
 def check_options(options: dict[str, Any], who: str) -> None:
@@ -85,6 +93,47 @@ def check_options(options: dict[str, Any], who: str) -> None:
         raise TypeError(f"{who}: token_dim={token_dim!r}; expected an int (a tensor dim) or None")
     if not isinstance(options.get("token_local", {}), dict):
         raise TypeError(f"{who}: token_local must be a dict {{op: rule}}, got {type(options['token_local']).__name__}")
+    tolerance = options.get("byte_tolerance", 0.0)
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or tolerance < 0:
+        raise TypeError(f"{who}: byte_tolerance={tolerance!r}; expected a float >= 0 (0.05 allows 5% more bytes)")
+
+
+_TOKEN_SUMS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default}
+# Ops returning a view of their first argument: a write through one of them is a write to the shard it views.
+_ALIASING = {
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+}  # fmt: skip
+
+
+def _sums_over_tokens(node: Node, shard: Node, dims: dict[Node, int]) -> bool:
+    """A plain sum whose reduced dims include the token dim: partial sums per rank, then one small all_reduce."""
+    if node.op != "call_function" or node.target not in _TOKEN_SUMS or node.all_input_nodes != [shard]:
+        return False
+    if node.target == torch.ops.aten.sum.default:
+        return True
+    reduced = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    ndim = shard.meta["val"].ndim
+    return bool(reduced) and dims[shard] in {r % ndim for r in reduced}
+
+
+def _nbytes(node: Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.element_size()
+
+
+def _writes(node: Node) -> list[Node]:
+    """The inputs an in-place op writes to (a make_fx graph keeps ``mul_`` and friends)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, Node) and arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(value)
+    return written
 
 
 def rewrite_graph(
@@ -93,6 +142,7 @@ def rewrite_graph(
     token_dim: int | None = None,
     token_local: dict[Any, TokenRule] | None = None,
     gather_points: set[Any] | frozenset[Any] = frozenset(),
+    byte_tolerance: float = 0.0,
 ) -> SequenceParallelReport:
     """Rewrite ``graph`` in place; see :func:`sequence_parallel`."""
     rules = {**TOKEN_LOCAL, **(token_local or {})}
@@ -101,6 +151,7 @@ def rewrite_graph(
     pairs = collectives.all_reduce_waits(graph)
     report.all_reduces = len(pairs)
     seeds: dict[Node, tuple[Node, int, int]] = {}
+    symbolic = []
     for all_reduce, wait in pairs:
         if "val" not in wait.meta:
             raise ValueError(
@@ -113,10 +164,23 @@ def rewrite_graph(
             report.skipped.append(f"{all_reduce.name}: token_dim {token_dim} is not a dim of {wait.meta['val'].shape}")
             continue
         tokens = wait.meta["val"].shape[dim]
-        if not isinstance(tokens, int) or tokens % size or tokens < size:
+        if not isinstance(tokens, int):
+            symbolic.append(all_reduce.name)
+            report.skipped.append(
+                f"{all_reduce.name}: symbolic token count {tokens} (dim {dim}); compile with static sequence lengths "
+                "(torch._dynamo.mark_static or dynamic=False) to shard it"
+            )
+            continue
+        if tokens % size or tokens < size or any(not isinstance(s, int) for s in wait.meta["val"].shape[:dim]):
             report.skipped.append(f"{all_reduce.name}: token dim {dim} of size {tokens} does not divide by {size}")
             continue
         seeds[wait] = (all_reduce, dim, size)
+    if symbolic:
+        warnings.warn(
+            f"sequence_parallel: {len(symbolic)} all_reduce(s) ({', '.join(symbolic)}) have a symbolic token count "
+            "and stay all_reduces; mark the sequence dim static to shard them",
+            stacklevel=2,
+        )
 
     dims: dict[Node, int] = {}
     local_args: dict[Node, Local] = {}
@@ -130,7 +194,8 @@ def rewrite_graph(
                 continue
             first.seeds += other.seeds
             first.nodes += other.nodes
-            first.problems += other.problems
+            first.token_sums += other.token_sums
+            first.boundaries += other.boundaries
             first.arithmetic += other.arithmetic
             for shard, users in other.gathers.items():
                 first.gathers.setdefault(shard, []).extend(users)
@@ -156,28 +221,47 @@ def rewrite_graph(
             component.nodes.append(node)
             component.arithmetic += local.role != "view"
             continue
+        if len(sharded) == 1 and _sums_over_tokens(node, sharded[0], dims):
+            owner[sharded[0]].token_sums.append(node)
+            continue
+        # Any other consumer needs every token: the rewrite stops here, with an all_gather right before it.
         for shard in sharded:
             component = owner[shard]
-            if node.op == "output" or node.target in gather_ok:
-                component.gathers.setdefault(shard, []).append(node)
-            else:
-                component.problems.append(f"{node.name} ({node.target}) needs every token of {shard.name}")
+            component.gathers.setdefault(shard, []).append(node)
+            if node.op != "output" and node.target not in gather_ok:
+                component.boundaries.append(f"{node.name} ({node.target}) needs every token of {shard.name}")
 
     components = list({id(c): c for c in owner.values()}.values())
-    accepted = []
+    changed = set()
     for component in components:
         groups = {seeds[wait][0].args[2] for _, wait in component.seeds}
         names = ", ".join(a.name for a, _ in component.seeds)
-        if component.problems:
-            report.skipped.append(f"{names}: " + "; ".join(component.problems))
-        elif not component.arithmetic:
-            report.skipped.append(f"{names}: no token-local arithmetic before every token is needed again")
+        gathers = _gather_plan(component, order)
+        size = seeds[component.seeds[0][1]][2]
+        share = (size - 1) / size
+        before = sum(2 * share * _nbytes(wait) for _, wait in component.seeds)
+        after = sum(share * _nbytes(wait) for _, wait in component.seeds)
+        after += sum(share * _nbytes(shard) for shard, _ in gathers)
+        after += sum(2 * share * _nbytes(node) for node in component.token_sums)
+        if not component.arithmetic:
+            report.skipped.append(
+                f"{names}: no token-local arithmetic before every token is needed again"
+                + "".join(f"; {b}" for b in component.boundaries)
+            )
         elif len(groups) != 1:
             report.skipped.append(f"{names}: all_reduces over different groups {sorted(map(str, groups))} meet")
+        elif after > before * (1 + byte_tolerance):
+            report.skipped.append(
+                f"{names}: would move {after / max(before, 1):.2f}x the bytes of the all_reduces ({len(gathers)} "
+                f"all_gathers for {len(component.seeds)} reduce_scatters): "
+                + "; ".join(component.boundaries or ["the shards are needed in full more than once"])
+            )
         else:
-            accepted.append(component)
-            _apply(graph, component, dims, local_args, seeds, order, report)
-    changed = {node for component in accepted for node in component.nodes}
+            report.bytes_before += round(before)
+            report.bytes_after += round(after)
+            report.boundaries += component.boundaries
+            _apply(graph, component, gathers, dims, local_args, seeds, report)
+            changed.update(component.nodes, component.token_sums)
     if report.converted:
         report.dead_waits_removed = collectives.eliminate_dead_collectives(graph)
         _refresh_meta(graph, changed)
@@ -186,15 +270,39 @@ def rewrite_graph(
     return report
 
 
-def _apply(graph, component, dims, local_args, seeds, order, report) -> None:
-    """Gather each shard before its first full-token consumer, shrink shape arguments, swap the collectives."""
+def _gather_plan(component: _Component, order: dict[Node, int]) -> list[tuple[Node, list[Node]]]:
+    """(shard, its consumers) per all_gather. One gather serves every consumer of a shard unless an in-place op
+    writes the shard (or a view of it) between two consumers: the later ones then get a fresh gather."""
+    root = {}
+    for node in component.nodes:
+        source = node.args[0] if node.args else None
+        root[node] = root.get(source, source) if node.target in _ALIASING and source in root else node
+    writes = sorted(
+        order[node] for node in order for written in _writes(node) if written in root
+    )
+    plan = []
+    for shard, users in component.gathers.items():
+        users = sorted(set(users), key=order.__getitem__)
+        batch = [users[0]]
+        for user in users[1:]:
+            start, stop = order[batch[0]], order[user]
+            if any(start < w < stop for w in writes):
+                plan.append((shard, batch))
+                batch = []
+            batch.append(user)
+        plan.append((shard, batch))
+    return plan
+
+
+def _apply(graph, component, gathers, dims, local_args, seeds, report) -> None:
+    """Gather shards before their full-token consumers, shrink shape arguments, swap the collectives, and
+    all_reduce the partial results of sums over the token dim."""
     _, _, size = seeds[component.seeds[0][1]]
     group_name = component.seeds[0][0].args[2]
     for wait in (w for _, w in component.seeds):
         report.patterns[_pattern(wait, local_args)] += 1
-    for shard, users in component.gathers.items():
-        first = min(users, key=order.__getitem__)
-        gathered = collectives.insert_all_gather(graph, shard, dims[shard], size, group_name, before=first)
+    for shard, users in gathers:
+        gathered = collectives.insert_all_gather(graph, shard, dims[shard], size, group_name, before=users[0])
         for user in users:
             user.replace_input_with(shard, gathered)
         report.all_gathers += 1
@@ -202,6 +310,9 @@ def _apply(graph, component, dims, local_args, seeds, order, report) -> None:
     for node in component.nodes:
         if node in local_args and local_args[node].args is not None:
             node.args = local_args[node].args
+    for node in component.token_sums:
+        collectives.insert_all_reduce_after(graph, node, group_name)
+        report.token_sums += 1
     for all_reduce, wait in component.seeds:
         scattered = collectives.insert_reduce_scatter(graph, all_reduce, dims[wait], size)
         wait.replace_all_uses_with(scattered)
