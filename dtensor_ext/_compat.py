@@ -723,3 +723,16 @@ def registered_strategy(op: OpOverload) -> object | None:
     """What the propagator runs for `op`: its single-dim record, else its op_strategy function."""
     prop = propagator()
     return prop.op_single_dim_strategy_funcs.get(op) or prop.op_strategy_funcs.get(op)
+
+
+# --- sequence-parallel passes (dtensor_ext/passes) ---
+
+
+def inductor_joint_pass_slot() -> tuple[Any, str]:
+    """(inductor's config, the name of its joint-graph custom pass slot). That pass sees AOTAutograd's joint
+    forward+backward graph before the partitioner splits it (and the inference graph when nothing needs grad)."""
+    import torch._inductor.config as config
+
+    if not hasattr(config, "joint_custom_pre_pass"):
+        raise RuntimeError(f"torch {torch.__version__}: inductor has no joint_custom_pre_pass slot to install into")
+    return config, "joint_custom_pre_pass"

@@ -105,6 +105,7 @@ _ALIASING = {
     torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.unsqueeze.default,
     torch.ops.aten.alias.default, torch.ops.aten.detach.default,
 }  # fmt: skip
+_VIEW_CHAIN = _ALIASING | {torch.ops.aten.expand.default}
 
 
 def _sums_over_tokens(node: Node, shard: Node, dims: dict[Node, int]) -> bool:
@@ -236,12 +237,12 @@ def rewrite_graph(
     for component in components:
         groups = {seeds[wait][0].args[2] for _, wait in component.seeds}
         names = ", ".join(a.name for a, _ in component.seeds)
-        gathers = _gather_plan(component, order)
+        gathers = _gather_plan(component, local_args, order)
         size = seeds[component.seeds[0][1]][2]
         share = (size - 1) / size
         before = sum(2 * share * _nbytes(wait) for _, wait in component.seeds)
         after = sum(share * _nbytes(wait) for _, wait in component.seeds)
-        after += sum(share * _nbytes(shard) for shard, _ in gathers)
+        after += sum(share * _nbytes(plan.shard) for plan in gathers)
         after += sum(2 * share * _nbytes(node) for node in component.token_sums)
         if not component.arithmetic:
             report.skipped.append(
@@ -270,28 +271,39 @@ def rewrite_graph(
     return report
 
 
-def _gather_plan(component: _Component, order: dict[Node, int]) -> list[tuple[Node, list[Node]]]:
-    """(shard, its consumers) per all_gather. One gather serves every consumer of a shard unless an in-place op
-    writes the shard (or a view of it) between two consumers: the later ones then get a fresh gather."""
+def _gather_plan(component: _Component, local_args: dict[Node, Local], order: dict[Node, int]) -> list[_Gather]:
+    """One all_gather per shard, of the shard a chain of views starts from (the forward matmul's input and the
+    transposed view the weight gradient reads share it), replaying the views on the gathered tensor. A shard
+    written in place (directly or through a view) between two consumers gets a fresh gather for the later ones."""
     root = {}
     for node in component.nodes:
         source = node.args[0] if node.args else None
         root[node] = root.get(source, source) if node.target in _ALIASING and source in root else node
-    writes = sorted(
-        order[node] for node in order for written in _writes(node) if written in root
-    )
-    plan = []
+    writes = sorted(order[node] for node in order for written in _writes(node) if written in root)
+    readers: dict[Node, list[tuple[Node, tuple[Node, ...]]]] = {}
     for shard, users in component.gathers.items():
-        users = sorted(set(users), key=order.__getitem__)
+        chain, base = [], shard
+        while local_args.get(base, Local(0)).role == "view" and base.target in _VIEW_CHAIN and base.args[0] in root:
+            chain.append(base)
+            base = base.args[0]
+        readers.setdefault(base, []).extend((user, tuple(reversed(chain))) for user in set(users))
+    plan = []
+    for base, users in readers.items():
+        users = sorted(users, key=lambda u: (order[u[0]], len(u[1])))
         batch = [users[0]]
         for user in users[1:]:
-            start, stop = order[batch[0]], order[user]
-            if any(start < w < stop for w in writes):
-                plan.append((shard, batch))
+            if any(order[batch[0][0]] < w < order[user[0]] for w in writes):
+                plan.append(_Gather(base, batch))
                 batch = []
             batch.append(user)
-        plan.append((shard, batch))
+        plan.append(_Gather(base, batch))
     return plan
+
+
+@dataclass
+class _Gather:
+    shard: Node
+    readers: list[tuple[Node, tuple[Node, ...]]]  # (consumer, views to replay on the gathered shard first)
 
 
 def _apply(graph, component, gathers, dims, local_args, seeds, report) -> None:
@@ -301,10 +313,19 @@ def _apply(graph, component, gathers, dims, local_args, seeds, report) -> None:
     group_name = component.seeds[0][0].args[2]
     for wait in (w for _, w in component.seeds):
         report.patterns[_pattern(wait, local_args)] += 1
-    for shard, users in gathers:
-        gathered = collectives.insert_all_gather(graph, shard, dims[shard], size, group_name, before=users[0])
-        for user in users:
-            user.replace_input_with(shard, gathered)
+    for plan in gathers:
+        first = plan.readers[0][0]
+        gathered = collectives.insert_all_gather(graph, plan.shard, dims[plan.shard], size, group_name, before=first)
+        replayed = {(): gathered}
+        for user, chain in plan.readers:
+            for i in range(1, len(chain) + 1):
+                if chain[:i] not in replayed:
+                    view = chain[i - 1]
+                    with graph.inserting_before(first):
+                        replayed[chain[:i]] = graph.call_function(
+                            view.target, (replayed[chain[: i - 1]], *view.args[1:]), view.kwargs
+                        )
+            user.replace_input_with(chain[-1] if chain else plan.shard, replayed[chain])
         report.all_gathers += 1
     report.sharded_nodes += [node.name for node in component.nodes]
     for node in component.nodes:
