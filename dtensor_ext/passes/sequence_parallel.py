@@ -12,6 +12,7 @@ output) and it does some arithmetic; otherwise none of its all_reduces changes.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class SequenceParallelReport:
     token_sums: int = 0  # sums over the token dim now run on shards followed by an all_reduce of the (small) result
     bytes_before: int = 0  # per rank, ring algorithms, of the collectives the rewrite touched
     bytes_after: int = 0
+    seconds: float = 0.0  # the pass's own runtime
 
     def summary(self) -> str:
         pats = ", ".join(f"{p}={self.patterns[p]}" for p in PATTERNS if self.patterns[p])
@@ -146,6 +148,7 @@ def rewrite_graph(
     byte_tolerance: float = 0.0,
 ) -> SequenceParallelReport:
     """Rewrite ``graph`` in place; see :func:`sequence_parallel`."""
+    start = time.perf_counter()
     rules = {**TOKEN_LOCAL, **(token_local or {})}
     gather_ok = GATHER_POINTS | set(gather_points)
     report = SequenceParallelReport()
@@ -267,6 +270,7 @@ def rewrite_graph(
         report.dead_waits_removed = collectives.eliminate_dead_collectives(graph)
         _refresh_meta(graph, changed)
         graph.lint()
+    report.seconds = time.perf_counter() - start
     log.info("%s", report.summary())
     return report
 
