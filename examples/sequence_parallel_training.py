@@ -171,6 +171,8 @@ def compiled_loss(cfg: Config, world: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=Config.layers)
+    parser.add_argument("--seq", type=int, default=Config.seq)
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -180,13 +182,13 @@ def main() -> None:
             port = s.getsockname()[1]
         import subprocess
 
-        cmd = [sys.executable, __file__, "--world", str(args.world), "--port", str(port), "--rank"]
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--port", str(port), "--rank"]
         procs = [subprocess.Popen([*cmd, str(r)]) for r in range(args.world)]
         sys.exit(max(p.wait() for p in procs))
     from dtensor_ext.passes import install_sequence_parallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
-    cfg = Config()
+    cfg = Config(layers=args.layers, seq=args.seq)
     with install_sequence_parallel() as sp:
         loss, grads = train_step(cfg, args.rank, args.world, compiled_loss(cfg, args.world))
     error = max_error(cfg, loss, grads, args.rank, args.world)

@@ -104,7 +104,8 @@ _TOKEN_SUMS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default}
 # Ops returning a view of their first argument: a write through one of them is a write to the shard it views.
 _ALIASING = {
     torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
-    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+    torch.ops.aten.unsqueeze.default,
     torch.ops.aten.alias.default, torch.ops.aten.detach.default,
 }  # fmt: skip
 _VIEW_CHAIN = _ALIASING | {torch.ops.aten.expand.default}
@@ -283,7 +284,11 @@ def _gather_plan(component: _Component, local_args: dict[Node, Local], order: di
     for node in component.nodes:
         source = node.args[0] if node.args else None
         root[node] = root.get(source, source) if node.target in _ALIASING and source in root else node
-    writes = sorted(order[node] for node in order for written in _writes(node) if written in root)
+    writes: dict[Node, list[int]] = {}
+    for node in order:
+        for written in _writes(node):
+            if written in root:
+                writes.setdefault(root[written], []).append(order[node])
     readers: dict[Node, list[tuple[Node, tuple[Node, ...]]]] = {}
     for shard, users in component.gathers.items():
         chain, base = [], shard
@@ -296,7 +301,7 @@ def _gather_plan(component: _Component, local_args: dict[Node, Local], order: di
         users = sorted(users, key=lambda u: (order[u[0]], len(u[1])))
         batch = [users[0]]
         for user in users[1:]:
-            if any(order[batch[0][0]] < w < order[user[0]] for w in writes):
+            if any(order[batch[0][0]] < w < order[user[0]] for w in writes.get(root[base], ())):
                 plan.append(_Gather(base, batch))
                 batch = []
             batch.append(user)

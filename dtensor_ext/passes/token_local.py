@@ -179,6 +179,13 @@ def _transpose(node: Node, dims: Mapping[Node, int], group_size: int) -> Local |
     return Local(b if dim == a else a if dim == b else dim, role="view")
 
 
+def _t(node: Node, dims: Mapping[Node, int], group_size: int) -> Local | None:
+    source = node.args[0]
+    if source not in dims:
+        return None
+    return Local(_val(source).ndim - 1 - dims[source], role="view")
+
+
 def _unsqueeze(node: Node, dims: Mapping[Node, int], group_size: int) -> Local | None:
     source, where = node.args[0], node.args[1] % _val(node).ndim
     if source not in dims:
@@ -238,6 +245,7 @@ TOKEN_LOCAL: dict[Any, TokenRule] = {
     aten.reshape.default: _view,
     aten.permute.default: _permute,
     aten.transpose.int: _transpose,
+    aten.t.default: _t,
     aten.unsqueeze.default: _unsqueeze,
     aten.expand.default: _expand,
 }
