@@ -736,3 +736,14 @@ def inductor_joint_pass_slot() -> tuple[Any, str]:
     if not hasattr(config, "joint_custom_pre_pass"):
         raise RuntimeError(f"torch {torch.__version__}: inductor has no joint_custom_pre_pass slot to install into")
     return config, "joint_custom_pre_pass"
+
+
+def size_hint(size: Any) -> int:
+    """An int or SymInt's example value, without installing a guard on it."""
+    if isinstance(size, int):
+        return size
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # torch 2.12
+        return size.node.hint
+    return optimization_hint(size)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from dtensor_ext._compat import fake_mode_of, group_size
+from dtensor_ext._compat import fake_mode_of, group_size, size_hint
 from dtensor_ext.passes import collectives
 from dtensor_ext.passes.token_local import GATHER_POINTS, TOKEN_LOCAL, Local, TokenRule
 
@@ -123,8 +123,9 @@ def _sums_over_tokens(node: Node, shard: Node, dims: dict[Node, int]) -> bool:
 
 
 def _nbytes(node: Node) -> int:
+    """Bytes of a node's value; a symbolic size (dynamic batch) counts at its example value, without a guard."""
     val = node.meta["val"]
-    return val.numel() * val.element_size()
+    return size_hint(val.numel()) * val.element_size()
 
 
 def _writes(node: Node) -> list[Node]:
@@ -176,14 +177,18 @@ def rewrite_graph(
                 "(torch._dynamo.mark_static or dynamic=False) to shard it"
             )
             continue
-        if tokens % size or tokens < size or any(not isinstance(s, int) for s in wait.meta["val"].shape[:dim]):
+        if tokens % size or tokens < size:
             report.skipped.append(f"{all_reduce.name}: token dim {dim} of size {tokens} does not divide by {size}")
+            continue
+        if sum(not isinstance(s, int) for s in wait.meta["val"].shape) > 1:
+            symbolic.append(all_reduce.name)
+            report.skipped.append(f"{all_reduce.name}: more than one symbolic size in {wait.meta['val'].shape}")
             continue
         seeds[wait] = (all_reduce, dim, size)
     if symbolic:
         warnings.warn(
             f"sequence_parallel: {len(symbolic)} all_reduce(s) ({', '.join(symbolic)}) have a symbolic token count "
-            "and stay all_reduces; mark the sequence dim static to shard them",
+            "(or more than one symbolic size) and stay all_reduces; mark the sequence dim static to shard them",
             stacklevel=2,
         )
 

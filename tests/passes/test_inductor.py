@@ -14,25 +14,10 @@ from dtensor_ext.passes.inductor import SequenceParallelPass
 from dtensor_ext.passes.token_local import GATHER_POINTS, TOKEN_LOCAL
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.testing.mesh import active_mode
-from tests.passes.graphs import WORLD, all_reduce, collective_ops, per_rank, rms, run
+from tests.passes.graphs import WORLD, RecordingPass, all_reduce, collective_ops, per_rank, rms, run
 
 T, H, F_ = 8, 16, 8
 EMBED, W1, W2, LN = per_rank(T, H, seed=0), per_rank(H, F_, seed=1), per_rank(F_, H, seed=2), torch.randn(H)
-
-
-def snapshot(graph: Graph) -> GraphModule:
-    copy = Graph()
-    copy.output(copy.graph_copy(graph, {}))
-    return GraphModule(torch.nn.Module(), copy)
-
-
-class RecordingPass(SequenceParallelPass):
-    """Keeps runnable copies of the post-grad graph before and after the rewrite."""
-
-    def __call__(self, graph: Graph) -> None:
-        self.before = snapshot(graph)
-        super().__call__(graph)
-        self.after = snapshot(graph)
 
 
 def test_compiled_block_is_rewritten_and_post_grad_graphs_agree():

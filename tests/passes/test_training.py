@@ -18,7 +18,7 @@ from dtensor_ext.passes import install_sequence_parallel, sequence_parallel
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.testing.mesh import active_mode
 from examples.sequence_parallel_training import Copy, Reduce
-from tests.passes.graphs import WORLD, collective_ops, per_rank, rms, run, trace
+from tests.passes.graphs import WORLD, RecordingPass, collective_ops, per_rank, rms, run, trace
 
 ROOT = Path(__file__).resolve().parents[2]
 T, H, F_, V = 16, 16, 8, 8
@@ -91,3 +91,34 @@ def test_compiled_training_on_two_gloo_ranks_matches_one_device():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "6/6 all_reduce -> reduce_scatter" in done.stdout, done.stdout
     assert "max |loss/grad difference| vs one device" in done.stdout
+
+
+def test_dynamic_batch_is_rewritten_and_a_dynamic_token_count_is_reported():
+    """A symbolic batch keeps the rewrite (views infer it); a symbolic sequence length stays all_reduce, loudly.
+    The compiled joint graph before and after the rewrite runs on a simulated 4-rank mesh with B = 3."""
+    recorder = RecordingPass(byte_tolerance=0.05)
+    batch = [torch.stack([e, -e, 2 * e]) for e in EMBED]  # [B, T, H] per rank
+    params = [LN, W1[0], W2[0], HEAD[0]]
+    with simulated_mesh((WORLD,)) as mesh:
+        group = mesh.get_group().group_name
+        with active_mode().disable(), inductor_config.patch(fx_graph_cache=False, joint_custom_pre_pass=recorder):
+            embed = batch[0][:2].clone().requires_grad_()
+            torch._dynamo.mark_dynamic(embed, 0)
+            torch.compile(lambda *args: tp_loss(*args, group), fullgraph=True)(embed, *params).backward()
+            joint_before, joint_after, report = recorder.before, recorder.after, recorder.reports[-1]
+            embed = batch[0].clone().requires_grad_()
+            torch._dynamo.mark_dynamic(embed, 1)
+            with pytest.warns(UserWarning, match="symbolic token count"):
+                torch.compile(lambda *args: tp_loss(*args, group), fullgraph=True)(embed, *params).backward()
+            assert recorder.reports[-1].converted == 0
+        values = iter([batch, LN, W1, W2, HEAD, torch.ones(())])
+        inputs = [3 if isinstance(n.meta["val"], torch.SymInt) else next(values) for n in placeholders(joint_before)]
+        before, after = run(joint_before, inputs), run(joint_after, inputs)
+    for ref, got in zip(before, after):
+        for rank in range(WORLD):
+            torch.testing.assert_close(got[rank], ref[rank], rtol=1e-5, atol=1e-5)
+    assert_expected_inline(report.summary(), """sequence_parallel: 6/6 all_reduce -> reduce_scatter (P1=4, P3=2), 6 all_gather inserted""")
+
+
+def placeholders(gm):
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
