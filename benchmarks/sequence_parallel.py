@@ -1,132 +1,131 @@
-"""Sequence parallelism on an N-layer Megatron-style TP transformer graph: per-rank cost before vs after.
+"""Sequence parallelism in training, measured: a compiled Llama-style TP model, forward + backward, on real gloo
+ranks, with and without ``install_sequence_parallel``, side by side in one run.
 
-For N = 2 ... 64 layers (attention + MLP, RMSNorm, residual stream, vocab-parallel embedding all_reduce) the
-graph is traced with make_fx on fake tensors under a fake process group, then measured from the graph alone:
-- collective bytes a rank sends (ring algorithms: all_reduce 2(n-1)/n of the buffer, reduce_scatter and
-  all_gather (n-1)/n of the full buffer);
-- activation bytes written by the token-local regions (norms, residual adds, elementwise; views excluded);
-- element operations of those regions (one per output or input element, whichever is more);
-- the pass's own runtime.
-Expected: equal collective bytes (RS + AG = AR), region activations and element ops / world size, pass runtime
-linear in N.
+The model is ``examples/sequence_parallel_training.py`` (embedding, N x (RMSNorm, attention, RMSNorm, SwiGLU), final
+norm, vocab-parallel head; Megatron f/g over functional collectives). Per rank, after one warm-up step that
+compiles, one more step is measured:
+- collective bytes: every ``gloo:*`` event the profiler recorded (record_shapes), turned into the bytes a rank
+  sends with ring algorithms (all_reduce 2(n-1)/n of the buffer, reduce_scatter (n-1)/n of its input,
+  all_gather n-1 times its input); fp32 throughout;
+- bytes saved for backward: every tensor ``saved_tensors_hooks`` sees in the forward, weights excluded;
+- max |difference| of the loss (summed over ranks) and of every gradient against one device;
+- the pass's own runtime (its reports).
+Expected: collective bytes within 1.05x; saved bytes shrink by the token-local share (norm inputs and their
+rstd, 2L + 1 norms of N*(H + 1) floats each) times 1 - 1/n, the printed "expected" column.
 
-    PYTHONPATH=. python benchmarks/sequence_parallel.py [--world 8] [--layers 2 4 8 16 32 64]
+    PYTHONPATH=. python benchmarks/sequence_parallel.py [--worlds 2 4] [--layers 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import operator
-import time
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.autograd.graph import saved_tensors_hooks
+from torch.profiler import ProfilerActivity, profile
 
-from dtensor_ext.passes import sequence_parallel
-from dtensor_ext.passes.token_local import TOKEN_LOCAL
+from dtensor_ext.passes import install_sequence_parallel
+from examples.sequence_parallel_training import Config, compiled_loss, full_params, max_error, shard_params, token_ids
 
-c10d = torch.ops._c10d_functional
-aten = torch.ops.aten
-ALIASES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-           aten.transpose.int, aten.unsqueeze.default, aten.alias.default, aten.detach.default,
-           operator.getitem}  # fmt: skip
+FP32 = 4
 
 
-def tp_transformer(layers: int, group: str, heads_local: int, head_dim: int):
-    def all_reduce(x):
-        return c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
-
-    def norm(x, w):
-        return F.rms_norm(x, (x.shape[-1],), w, 1e-5)
-
-    def model(embed_partial, ln, wq, wk, wv, wo, w_up, w_gate, w_down):
-        tokens = embed_partial.shape[0]
-        h = all_reduce(embed_partial)  # vocab-parallel embedding
-        for _ in range(layers):
-            x = norm(h, ln)
-            q, k, v = ((x @ w).view(tokens, heads_local, head_dim).transpose(0, 1) for w in (wq, wk, wv))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(tokens, -1)
-            h = h + all_reduce(a @ wo)
-            x = norm(h, ln)
-            h = h + all_reduce((F.silu(x @ w_gate) * (x @ w_up)) @ w_down)
-        return norm(h, ln)
-
-    return model
+def ring_bytes(name: str, elements: int, world: int) -> float:
+    kind = name.split(":")[-1]
+    if kind.startswith("all_reduce"):
+        return 2 * (world - 1) / world * elements * FP32
+    if kind.startswith("reduce_scatter") or kind.startswith("_reduce_scatter"):
+        return (world - 1) / world * elements * FP32
+    if kind.startswith("all_gather") or kind.startswith("_allgather"):
+        return (world - 1) * elements * FP32
+    raise ValueError(f"ring_bytes: profiler event {name!r}; expected a gloo all_reduce, reduce_scatter or all_gather")
 
 
-def trace(layers: int, world: int, tokens: int, hidden: int, ffn: int, heads: int) -> torch.fx.GraphModule:
-    group = dist.group.WORLD.group_name
-    head_dim, local = hidden // heads, hidden // world
-    shapes = [(tokens, hidden), (hidden,), (hidden, local), (hidden, local), (hidden, local), (local, hidden),
-              (hidden, ffn // world), (hidden, ffn // world), (ffn // world, hidden)]  # fmt: skip
-    with torch._subclasses.fake_tensor.FakeTensorMode():
-        example = [torch.empty(s) for s in shapes]
-    model = tp_transformer(layers, group, heads // world, head_dim)
-    return make_fx(model, tracing_mode="fake")(*example)
+def measured_step(cfg: Config, rank: int, world: int, fn) -> dict:
+    """One forward + backward of the compiled ``fn``: collective bytes, saved bytes, loss, gradients."""
+    params = {k: v.requires_grad_() for k, v in shard_params(full_params(cfg), rank, world).items()}
+    weights = {p.data_ptr() for p in params.values()}
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in weights:
+            saved[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    ids = token_ids(cfg)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with saved_tensors_hooks(pack, lambda t: t):
+            loss = fn(params, ids)
+        loss.backward()
+    issued, wire, counts = 0.0, 0.0, Counter()
+    for event in prof.events():
+        elements = torch.Size(event.input_shapes[0]).numel() if event.input_shapes and event.input_shapes[0] else 0
+        if event.name.startswith("_c10d_functional::") and "wait" not in event.name:
+            issued += ring_bytes(event.name, elements, world)
+            counts[event.name.removeprefix("_c10d_functional::")] += 1
+        elif event.name.startswith("gloo:"):
+            wire += ring_bytes(event.name, elements, world)
+    grads = {k: v.grad for k, v in params.items()}
+    return {"issued": issued, "wire": wire, "counts": counts, "saved": sum(saved.values()), "loss": loss, "grads": grads}
 
 
-def nbytes(val) -> int:
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
-def collective_bytes(gm: torch.fx.GraphModule, world: int) -> float:
-    share = (world - 1) / world
-    total = 0.0
-    for node in gm.graph.nodes:
-        if node.target == c10d.all_reduce.default:
-            total += 2 * share * nbytes(node.args[0].meta["val"])
-        elif node.target == c10d.reduce_scatter_tensor.default:
-            total += share * nbytes(node.args[0].meta["val"])
-        elif node.target == c10d.all_gather_into_tensor.default:
-            total += share * nbytes(node.meta["val"])
-    return total
-
-
-def region_costs(gm: torch.fx.GraphModule, names: set[str]) -> tuple[int, int]:
-    """(activation bytes, element ops) of the named token-local nodes that compute (views excluded)."""
-    act = ops = 0
-    for node in gm.graph.nodes:
-        if node.name in names and node.target in TOKEN_LOCAL and node.target not in ALIASES:
-            outs = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
-            act += sum(nbytes(o) for o in outs)
-            ins = [i.meta["val"].numel() for i in node.all_input_nodes if isinstance(i.meta.get("val"), torch.Tensor)]
-            ops += max([sum(o.numel() for o in outs if isinstance(o, torch.Tensor)), *ins])
-    return act, ops
+def run_rank(cfg: Config, rank: int, world: int) -> None:
+    results = {}
+    for mode in ("tp", "tp+sp"):
+        with install_sequence_parallel() if mode == "tp+sp" else contextlib.nullcontext() as sp:
+            torch.compiler.reset()  # compile again, now with (or without) the pass
+            fn = compiled_loss(cfg, world)
+            measured_step(cfg, rank, world, fn)  # compiles
+            results[mode] = measured_step(cfg, rank, world, fn)
+            results[mode]["pass_ms"] = sum(r.seconds for r in sp.reports) * 1e3 if sp else 0.0
+            results[mode]["summary"] = "\n".join(r.summary() for r in sp.reports) if sp else ""
+        results[mode]["error"] = max_error(cfg, results[mode]["loss"], results[mode]["grads"], rank, world)
+    if rank == 0:
+        tp, sp = results["tp"], results["tp+sp"]
+        tokens = cfg.batch * cfg.seq
+        token_local = (2 * cfg.layers + 1) * tokens * (cfg.hidden + 1) * FP32
+        expected = (tp["saved"] - (1 - 1 / world) * token_local) / tp["saved"]
+        print(
+            f"{world:>5} | {tp['issued'] / 1e6:6.3f} -> {sp['issued'] / 1e6:6.3f} MB {sp['issued'] / tp['issued']:5.3f}x"
+            f" | {sp['wire'] / tp['wire']:5.3f}x"
+            f" | {tp['saved'] / 1e6:6.3f} -> {sp['saved'] / 1e6:6.3f} MB {sp['saved'] / tp['saved']:5.3f}x"
+            f" (expected {expected:5.3f}x) | {tp['error']:.1e} / {sp['error']:.1e} | {sp['pass_ms']:7.1f}"
+            f" | {dict(tp['counts'])} -> {dict(sp['counts'])}"
+        )
+        print(sp["summary"], file=sys.stderr)
+    sys.stdout.flush()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=8)
-    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--ffn", type=int, default=11008)
-    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rank", type=int, nargs=3, default=None, help=argparse.SUPPRESS)  # rank world port
     args = parser.parse_args()
-    dist.init_process_group("fake", rank=0, world_size=args.world)
-    mib = 2**20
-    print(f"world={args.world} tokens={args.tokens} hidden={args.hidden} ffn={args.ffn} fp32, per rank")
-    print(f"{'layers':>6} | {'collective MiB':>21} | {'region activations MiB':>24} | {'region elem-ops (M)':>22}"
-          f" | {'ratio':>5} | {'pass ms':>7} | patterns")
-    for layers in args.layers:
-        before = trace(layers, args.world, args.tokens, args.hidden, args.ffn, args.heads)
-        after = trace(layers, args.world, args.tokens, args.hidden, args.ffn, args.heads)
-        start = time.perf_counter()
-        sequence_parallel(after)
-        elapsed = (time.perf_counter() - start) * 1e3
-        report = after.meta["sequence_parallel"]
-        names = set(report.sharded_nodes)
-        act_b, ops_b = region_costs(before, names)
-        act_a, ops_a = region_costs(after, names)
-        coll_b, coll_a = collective_bytes(before, args.world), collective_bytes(after, args.world)
-        pats = ", ".join(f"{k}={v}" for k, v in sorted(report.patterns.items()))
-        print(f"{layers:>6} | {coll_b / mib:>9.0f} -> {coll_a / mib:>9.0f} | {act_b / mib:>10.0f} -> {act_a / mib:>10.0f}"
-              f" | {ops_b / 1e6:>9.0f} -> {ops_a / 1e6:>9.0f} | {act_b / max(act_a, 1):>5.2f} | {elapsed:>7.1f} | {pats}")
-        assert math.isclose(coll_a, coll_b, rel_tol=1e-9), "RS + AG should move what the all_reduce moved"
-    dist.destroy_process_group()
+    cfg = Config(layers=args.layers)
+    if args.rank is not None:
+        rank, world, port = args.rank
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        run_rank(cfg, rank, world)
+        dist.destroy_process_group()
+        os._exit(0)
+    print(f"{cfg}, fp32, compiled forward + backward, per rank; TP -> TP+SP")
+    print(f"{'ranks':>5} | {'collective bytes (ring)':>26} | gloo   | {'saved for backward':>42} | max err TP / SP | pass ms | collectives")
+    for world in args.worlds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, __file__, "--layers", str(args.layers), "--rank"]
+        procs = [subprocess.Popen([*cmd, str(r), str(world), str(port)]) for r in range(world)]
+        if any(p.wait() for p in procs):
+            sys.exit(f"a rank of world {world} failed")
 
 
 if __name__ == "__main__":

@@ -797,3 +797,27 @@ def set_output_meta_computer(compute: Callable | None) -> None:
         vars(propagator()).pop("_propagate_tensor_meta_non_cached", None)
     else:
         propagator()._propagate_tensor_meta_non_cached = compute
+
+
+# --- sequence-parallel passes (dtensor_ext/passes) ---
+
+
+def inductor_joint_pass_slot() -> tuple[Any, str]:
+    """(inductor's config, the name of its joint-graph custom pass slot). That pass sees AOTAutograd's joint
+    forward+backward graph before the partitioner splits it (and the inference graph when nothing needs grad)."""
+    import torch._inductor.config as config
+
+    if not hasattr(config, "joint_custom_pre_pass"):
+        raise RuntimeError(f"torch {torch.__version__}: inductor has no joint_custom_pre_pass slot to install into")
+    return config, "joint_custom_pre_pass"
+
+
+def size_hint(size: Any) -> int:
+    """An int or SymInt's example value, without installing a guard on it."""
+    if isinstance(size, int):
+        return size
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # torch 2.12
+        return size.node.hint
+    return optimization_hint(size)

@@ -18,6 +18,7 @@ __all__ = [
     "all_reduce_waits",
     "eliminate_dead_collectives",
     "insert_all_gather",
+    "insert_all_reduce_after",
     "insert_reduce_scatter",
     "is_collective",
 ]
@@ -51,15 +52,20 @@ def _shape(node: Node) -> list[int]:
     return list(node.meta["val"].shape)
 
 
+def _inferred(shape: list) -> list:
+    """A view shape with its one symbolic size (a dynamic batch) left for the view to infer (-1)."""
+    return [s if isinstance(s, int) else -1 for s in shape]
+
+
 def _token_dim_to_front(graph: Graph, value: Node, shape: list[int], dim: int, group_size: int) -> Node:
     """[..., T, ...] -> [n * prefix, T / n, ...]: chunk r of the token dim lands in block r of dim 0."""
     split = shape[:dim] + [group_size, shape[dim] // group_size] + shape[dim + 1 :]
     order = [dim, *range(dim), *range(dim + 1, len(split))]
-    front = graph.call_function(_aten.view.default, (value, split))
+    front = graph.call_function(_aten.view.default, (value, _inferred(split)))
     front = graph.call_function(_aten.permute.default, (front, order))
     front = graph.call_function(_aten.clone.default, (front,), {"memory_format": torch.contiguous_format})
     merged = [group_size * shape[0]] + shape[1:dim] + [shape[dim] // group_size] + shape[dim + 1 :]
-    return graph.call_function(_aten.view.default, (front, merged))
+    return graph.call_function(_aten.view.default, (front, _inferred(merged)))
 
 
 def insert_reduce_scatter(graph: Graph, all_reduce: Node, dim: int, group_size: int) -> Node:
@@ -83,11 +89,21 @@ def insert_all_gather(graph: Graph, shard: Node, dim: int, group_size: int, grou
         waited = graph.call_function(WAIT, (gathered,))
         if dim == 0:
             return waited
-        blocks = graph.call_function(_aten.view.default, (waited, [group_size, *local]))
+        blocks = graph.call_function(_aten.view.default, (waited, _inferred([group_size, *local])))
         order = [*range(1, dim + 1), 0, *range(dim + 1, len(local) + 1)]
         blocks = graph.call_function(_aten.permute.default, (blocks, order))
         blocks = graph.call_function(_aten.clone.default, (blocks,), {"memory_format": torch.contiguous_format})
-        return graph.call_function(_aten.view.default, (blocks, full))
+        return graph.call_function(_aten.view.default, (blocks, _inferred(full)))
+
+
+def insert_all_reduce_after(graph: Graph, node: Node, group_name) -> Node:
+    """Sum ``node`` over the group right after it is computed; every former reader of ``node`` reads the sum."""
+    with graph.inserting_after(node):
+        reduced = graph.call_function(ALL_REDUCE, (node, "sum", group_name))
+    with graph.inserting_after(reduced):
+        waited = graph.call_function(WAIT, (reduced,))
+    node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not reduced)
+    return waited
 
 
 def eliminate_dead_collectives(graph: Graph) -> int:

@@ -2,8 +2,9 @@
 
     torch._inductor.config.post_grad_custom_post_pass = SequenceParallelPass()
 
-Its uuid hashes this package's pass sources and the options, so inductor's FX graph cache is reused exactly
-when neither changed.
+Its uuid hashes this package's pass sources, the options and the token-local / gather-point tables (which
+``register_token_local`` and ``register_gather_point`` extend), so inductor's FX graph cache is reused exactly
+when none of them changed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.fx import Graph
 
 from dtensor_ext._compat import inductor_custom_pass_api
 from dtensor_ext.passes.sequence_parallel import SequenceParallelReport, check_options, rewrite_graph
+from dtensor_ext.passes.token_local import GATHER_POINTS, TOKEN_LOCAL
 
 __all__ = ["SequenceParallelPass"]
 
@@ -38,15 +40,20 @@ class SequenceParallelPass(CustomGraphPass):
             graph.owning_module.recompile()
 
     def uuid(self) -> bytes:
-        return get_hash_for_files(_SOURCES, extra=_stable_repr(self.options))
+        return get_hash_for_files(_SOURCES, extra=_stable_repr([self.options, TOKEN_LOCAL, GATHER_POINTS]))
 
 
 def _stable_repr(value: Any) -> str:
-    """Options spelled without object addresses: ops by name, rules by qualified name."""
+    """Options and tables spelled without object addresses: ops by name, rules by module, qualified name and
+    the values they close over (``elementwise("add")`` differs from ``elementwise()``)."""
     if isinstance(value, dict):
         return "{" + ",".join(sorted(f"{_stable_repr(k)}:{_stable_repr(v)}" for k, v in value.items())) + "}"
     if isinstance(value, (set, frozenset, list, tuple)):
         return "[" + ",".join(sorted(_stable_repr(v) for v in value)) + "]"
+    if hasattr(value, "_schema"):
+        return str(value)
     if callable(value):
-        return getattr(value, "__qualname__", None) or str(value)
+        name = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', None) or value}"
+        cells = getattr(value, "__closure__", None) or ()
+        return name + ("(" + ",".join(_stable_repr(c.cell_contents) for c in cells) + ")" if cells else "")
     return repr(value)

@@ -12,6 +12,8 @@ output) and it does some arithmetic; otherwise none of its all_reduces changes.
 from __future__ import annotations
 
 import logging
+import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from dtensor_ext._compat import fake_mode_of, group_size
+from dtensor_ext._compat import fake_mode_of, group_size, size_hint
 from dtensor_ext.passes import collectives
 from dtensor_ext.passes.token_local import GATHER_POINTS, TOKEN_LOCAL, Local, TokenRule
 
@@ -43,13 +45,20 @@ class SequenceParallelReport:
     dead_waits_removed: int = 0
     skipped: list[str] = field(default_factory=list)
     sharded_nodes: list[str] = field(default_factory=list)  # names of the nodes now computing on token shards
+    boundaries: list[str] = field(default_factory=list)  # consumers that needed every token: gathered before them
+    token_sums: int = 0  # sums over the token dim now run on shards followed by an all_reduce of the (small) result
+    bytes_before: int = 0  # per rank, ring algorithms, of the collectives the rewrite touched
+    bytes_after: int = 0
+    seconds: float = 0.0  # the pass's own runtime
 
     def summary(self) -> str:
         pats = ", ".join(f"{p}={self.patterns[p]}" for p in PATTERNS if self.patterns[p])
         lines = [
             f"sequence_parallel: {self.converted}/{self.all_reduces} all_reduce -> reduce_scatter"
             f" ({pats or 'none'}), {self.all_gathers} all_gather inserted"
+            + (f", {self.token_sums} token sums all_reduced" if self.token_sums else "")
         ]
+        lines += [f"  gathered before: {reason}" for reason in self.boundaries]
         lines += [f"  left alone: {reason}" for reason in self.skipped]
         return "\n".join(lines)
 
@@ -59,7 +68,8 @@ class _Component:
     seeds: list[tuple[Node, Node]] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
     gathers: dict[Node, list[Node]] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
+    token_sums: list[Node] = field(default_factory=list)
+    boundaries: list[str] = field(default_factory=list)
     arithmetic: int = 0
 
 
@@ -72,7 +82,7 @@ def _seed_token_dim(wait: Node, token_dim: int | None) -> int | None:
     return dim % val.ndim if -val.ndim <= dim < val.ndim else None
 
 
-OPTIONS = ("token_dim", "token_local", "gather_points")
+OPTIONS = ("token_dim", "token_local", "gather_points", "byte_tolerance")
 
 
 def check_options(options: dict[str, Any], who: str) -> None:
@@ -85,6 +95,50 @@ def check_options(options: dict[str, Any], who: str) -> None:
         raise TypeError(f"{who}: token_dim={token_dim!r}; expected an int (a tensor dim) or None")
     if not isinstance(options.get("token_local", {}), dict):
         raise TypeError(f"{who}: token_local must be a dict {{op: rule}}, got {type(options['token_local']).__name__}")
+    tolerance = options.get("byte_tolerance", 0.0)
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or tolerance < 0:
+        raise TypeError(f"{who}: byte_tolerance={tolerance!r}; expected a float >= 0 (0.05 allows 5% more bytes)")
+
+
+_TOKEN_SUMS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default}
+# Ops returning a view of their first argument: a write through one of them is a write to the shard it views.
+_ALIASING = {
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+}  # fmt: skip
+_VIEW_CHAIN = _ALIASING | {torch.ops.aten.expand.default}
+
+
+def _sums_over_tokens(node: Node, shard: Node, dims: dict[Node, int]) -> bool:
+    """A plain sum whose reduced dims include the token dim: partial sums per rank, then one small all_reduce."""
+    if node.op != "call_function" or node.target not in _TOKEN_SUMS or node.all_input_nodes != [shard]:
+        return False
+    if node.target == torch.ops.aten.sum.default:
+        return True
+    reduced = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    ndim = shard.meta["val"].ndim
+    return bool(reduced) and dims[shard] in {r % ndim for r in reduced}
+
+
+def _nbytes(node: Node) -> int:
+    """Bytes of a node's value; a symbolic size (dynamic batch) counts at its example value, without a guard."""
+    val = node.meta["val"]
+    return size_hint(val.numel()) * val.element_size()
+
+
+def _writes(node: Node) -> list[Node]:
+    """The inputs an in-place op writes to (a make_fx graph keeps ``mul_`` and friends)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, Node) and arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(value)
+    return written
 
 
 def rewrite_graph(
@@ -93,14 +147,17 @@ def rewrite_graph(
     token_dim: int | None = None,
     token_local: dict[Any, TokenRule] | None = None,
     gather_points: set[Any] | frozenset[Any] = frozenset(),
+    byte_tolerance: float = 0.0,
 ) -> SequenceParallelReport:
     """Rewrite ``graph`` in place; see :func:`sequence_parallel`."""
+    start = time.perf_counter()
     rules = {**TOKEN_LOCAL, **(token_local or {})}
     gather_ok = GATHER_POINTS | set(gather_points)
     report = SequenceParallelReport()
     pairs = collectives.all_reduce_waits(graph)
     report.all_reduces = len(pairs)
     seeds: dict[Node, tuple[Node, int, int]] = {}
+    symbolic = []
     for all_reduce, wait in pairs:
         if "val" not in wait.meta:
             raise ValueError(
@@ -113,10 +170,27 @@ def rewrite_graph(
             report.skipped.append(f"{all_reduce.name}: token_dim {token_dim} is not a dim of {wait.meta['val'].shape}")
             continue
         tokens = wait.meta["val"].shape[dim]
-        if not isinstance(tokens, int) or tokens % size or tokens < size:
+        if not isinstance(tokens, int):
+            symbolic.append(all_reduce.name)
+            report.skipped.append(
+                f"{all_reduce.name}: symbolic token count {tokens} (dim {dim}); compile with static sequence lengths "
+                "(torch._dynamo.mark_static or dynamic=False) to shard it"
+            )
+            continue
+        if tokens % size or tokens < size:
             report.skipped.append(f"{all_reduce.name}: token dim {dim} of size {tokens} does not divide by {size}")
             continue
+        if sum(not isinstance(s, int) for s in wait.meta["val"].shape) > 1:
+            symbolic.append(all_reduce.name)
+            report.skipped.append(f"{all_reduce.name}: more than one symbolic size in {wait.meta['val'].shape}")
+            continue
         seeds[wait] = (all_reduce, dim, size)
+    if symbolic:
+        warnings.warn(
+            f"sequence_parallel: {len(symbolic)} all_reduce(s) ({', '.join(symbolic)}) have a symbolic token count "
+            "(or more than one symbolic size) and stay all_reduces; mark the sequence dim static to shard them",
+            stacklevel=2,
+        )
 
     dims: dict[Node, int] = {}
     local_args: dict[Node, Local] = {}
@@ -130,7 +204,8 @@ def rewrite_graph(
                 continue
             first.seeds += other.seeds
             first.nodes += other.nodes
-            first.problems += other.problems
+            first.token_sums += other.token_sums
+            first.boundaries += other.boundaries
             first.arithmetic += other.arithmetic
             for shard, users in other.gathers.items():
                 first.gathers.setdefault(shard, []).extend(users)
@@ -156,52 +231,123 @@ def rewrite_graph(
             component.nodes.append(node)
             component.arithmetic += local.role != "view"
             continue
+        if len(sharded) == 1 and _sums_over_tokens(node, sharded[0], dims):
+            owner[sharded[0]].token_sums.append(node)
+            continue
+        # Any other consumer needs every token: the rewrite stops here, with an all_gather right before it.
         for shard in sharded:
             component = owner[shard]
-            if node.op == "output" or node.target in gather_ok:
-                component.gathers.setdefault(shard, []).append(node)
-            else:
-                component.problems.append(f"{node.name} ({node.target}) needs every token of {shard.name}")
+            component.gathers.setdefault(shard, []).append(node)
+            if node.op != "output" and node.target not in gather_ok:
+                component.boundaries.append(f"{node.name} ({node.target}) needs every token of {shard.name}")
 
     components = list({id(c): c for c in owner.values()}.values())
-    accepted = []
+    changed = set()
     for component in components:
         groups = {seeds[wait][0].args[2] for _, wait in component.seeds}
         names = ", ".join(a.name for a, _ in component.seeds)
-        if component.problems:
-            report.skipped.append(f"{names}: " + "; ".join(component.problems))
-        elif not component.arithmetic:
-            report.skipped.append(f"{names}: no token-local arithmetic before every token is needed again")
+        gathers = _gather_plan(component, local_args, order)
+        size = seeds[component.seeds[0][1]][2]
+        share = (size - 1) / size
+        before = sum(2 * share * _nbytes(wait) for _, wait in component.seeds)
+        after = sum(share * _nbytes(wait) for _, wait in component.seeds)
+        after += sum(share * _nbytes(plan.shard) for plan in gathers)
+        after += sum(2 * share * _nbytes(node) for node in component.token_sums)
+        if not component.arithmetic:
+            report.skipped.append(
+                f"{names}: no token-local arithmetic before every token is needed again"
+                + "".join(f"; {b}" for b in component.boundaries)
+            )
         elif len(groups) != 1:
             report.skipped.append(f"{names}: all_reduces over different groups {sorted(map(str, groups))} meet")
+        elif after > before * (1 + byte_tolerance):
+            report.skipped.append(
+                f"{names}: would move {after / max(before, 1):.2f}x the bytes of the all_reduces ({len(gathers)} "
+                f"all_gathers for {len(component.seeds)} reduce_scatters): "
+                + "; ".join(component.boundaries or ["the shards are needed in full more than once"])
+            )
         else:
-            accepted.append(component)
-            _apply(graph, component, dims, local_args, seeds, order, report)
-    changed = {node for component in accepted for node in component.nodes}
+            report.bytes_before += round(before)
+            report.bytes_after += round(after)
+            report.boundaries += component.boundaries
+            _apply(graph, component, gathers, dims, local_args, seeds, report)
+            changed.update(component.nodes, component.token_sums)
     if report.converted:
         report.dead_waits_removed = collectives.eliminate_dead_collectives(graph)
         _refresh_meta(graph, changed)
         graph.lint()
+    report.seconds = time.perf_counter() - start
     log.info("%s", report.summary())
     return report
 
 
-def _apply(graph, component, dims, local_args, seeds, order, report) -> None:
-    """Gather each shard before its first full-token consumer, shrink shape arguments, swap the collectives."""
+def _gather_plan(component: _Component, local_args: dict[Node, Local], order: dict[Node, int]) -> list[_Gather]:
+    """One all_gather per shard, of the shard a chain of views starts from (the forward matmul's input and the
+    transposed view the weight gradient reads share it), replaying the views on the gathered tensor. A shard
+    written in place (directly or through a view) between two consumers gets a fresh gather for the later ones."""
+    root = {}
+    for node in component.nodes:
+        source = node.args[0] if node.args else None
+        root[node] = root.get(source, source) if node.target in _ALIASING and source in root else node
+    writes: dict[Node, list[int]] = {}
+    for node in order:
+        for written in _writes(node):
+            if written in root:
+                writes.setdefault(root[written], []).append(order[node])
+    readers: dict[Node, list[tuple[Node, tuple[Node, ...]]]] = {}
+    for shard, users in component.gathers.items():
+        chain, base = [], shard
+        while local_args.get(base, Local(0)).role == "view" and base.target in _VIEW_CHAIN and base.args[0] in root:
+            chain.append(base)
+            base = base.args[0]
+        readers.setdefault(base, []).extend((user, tuple(reversed(chain))) for user in set(users))
+    plan = []
+    for base, users in readers.items():
+        users = sorted(users, key=lambda u: (order[u[0]], len(u[1])))
+        batch = [users[0]]
+        for user in users[1:]:
+            if any(order[batch[0][0]] < w < order[user[0]] for w in writes.get(root[base], ())):
+                plan.append(_Gather(base, batch))
+                batch = []
+            batch.append(user)
+        plan.append(_Gather(base, batch))
+    return plan
+
+
+@dataclass
+class _Gather:
+    shard: Node
+    readers: list[tuple[Node, tuple[Node, ...]]]  # (consumer, views to replay on the gathered shard first)
+
+
+def _apply(graph, component, gathers, dims, local_args, seeds, report) -> None:
+    """Gather shards before their full-token consumers, shrink shape arguments, swap the collectives, and
+    all_reduce the partial results of sums over the token dim."""
     _, _, size = seeds[component.seeds[0][1]]
     group_name = component.seeds[0][0].args[2]
     for wait in (w for _, w in component.seeds):
         report.patterns[_pattern(wait, local_args)] += 1
-    for shard, users in component.gathers.items():
-        first = min(users, key=order.__getitem__)
-        gathered = collectives.insert_all_gather(graph, shard, dims[shard], size, group_name, before=first)
-        for user in users:
-            user.replace_input_with(shard, gathered)
+    for plan in gathers:
+        first = plan.readers[0][0]
+        gathered = collectives.insert_all_gather(graph, plan.shard, dims[plan.shard], size, group_name, before=first)
+        replayed = {(): gathered}
+        for user, chain in plan.readers:
+            for i in range(1, len(chain) + 1):
+                if chain[:i] not in replayed:
+                    view = chain[i - 1]
+                    with graph.inserting_before(first):
+                        replayed[chain[:i]] = graph.call_function(
+                            view.target, (replayed[chain[: i - 1]], *view.args[1:]), view.kwargs
+                        )
+            user.replace_input_with(chain[-1] if chain else plan.shard, replayed[chain])
         report.all_gathers += 1
     report.sharded_nodes += [node.name for node in component.nodes]
     for node in component.nodes:
         if node in local_args and local_args[node].args is not None:
             node.args = local_args[node].args
+    for node in component.token_sums:
+        collectives.insert_all_reduce_after(graph, node, group_name)
+        report.token_sums += 1
     for all_reduce, wait in component.seeds:
         scattered = collectives.insert_reduce_scatter(graph, all_reduce, dims[wait], size)
         wait.replace_all_uses_with(scattered)

@@ -54,6 +54,15 @@ def _tensor_inputs(node: Node) -> list[Node]:
     return [n for n in node.all_input_nodes if isinstance(_val(n), torch.Tensor)]
 
 
+def _uniform_over_tokens(node: Node, dim: int, out_ndim: int) -> bool:
+    """Whether ``node`` broadcasts along the output's token dim (size 1 there, or no such dim)."""
+    val = _val(node)
+    if not isinstance(val, torch.Tensor):
+        return True
+    pos = dim - (out_ndim - val.ndim)
+    return pos < 0 or val.shape[pos] == 1
+
+
 def elementwise(role: str = "elementwise") -> TokenRule:
     """Broadcasting pointwise ops: unsharded operands must not carry the token dim (size 1 or absent there)."""
 
@@ -66,12 +75,16 @@ def elementwise(role: str = "elementwise") -> TokenRule:
         if len(sharded) != 1:
             return None
         (dim,) = sharded
+        swap = {}
         for other in (i for i in inputs if i not in dims):
-            pos = dim - (out.ndim - _val(other).ndim)
-            if pos >= 0 and _val(other).shape[pos] != 1:
-                return None
+            if not _uniform_over_tokens(other, dim, out.ndim):
+                source = other.args[0] if other.op == "call_function" and other.target == aten.expand.default else None
+                if not isinstance(source, Node) or not _uniform_over_tokens(source, dim, out.ndim):
+                    return None
+                swap[other] = source  # x.expand(full shape) * shard == x * shard: broadcasting does the expand
         residual_add = role == "elementwise" and node.target in _ADDS and sum(i in dims for i in inputs) > 1
-        return Local(dim, role="add" if residual_add else role)
+        args = torch.fx.node.map_arg(node.args, lambda n: swap.get(n, n)) if swap else None
+        return Local(dim, args=args, role="add" if residual_add else role)
 
     return rule
 
@@ -166,11 +179,30 @@ def _transpose(node: Node, dims: Mapping[Node, int], group_size: int) -> Local |
     return Local(b if dim == a else a if dim == b else dim, role="view")
 
 
+def _t(node: Node, dims: Mapping[Node, int], group_size: int) -> Local | None:
+    source = node.args[0]
+    if source not in dims:
+        return None
+    return Local(_val(source).ndim - 1 - dims[source], role="view")
+
+
 def _unsqueeze(node: Node, dims: Mapping[Node, int], group_size: int) -> Local | None:
     source, where = node.args[0], node.args[1] % _val(node).ndim
     if source not in dims:
         return None
     return Local(dims[source] + (where <= dims[source]), role="view")
+
+
+def _expand(node: Node, dims: Mapping[Node, int], group_size: int) -> Local | None:
+    """An expand that keeps the token dim's size (the mean's [T, 1] -> [T, H] in an RMSNorm backward)."""
+    source, size = node.args[0], list(node.args[1])
+    if source not in dims:
+        return None
+    dim = dims[source] + len(size) - _val(source).ndim
+    if _val(source).shape[dims[source]] != _val(node).shape[dim]:
+        return None
+    size[dim] = -1
+    return Local(dim, args=(source, size, *node.args[2:]), role="view")
 
 
 def _same_layout(node: Node, dims: Mapping[Node, int], group_size: int) -> Local | None:
@@ -213,7 +245,9 @@ TOKEN_LOCAL: dict[Any, TokenRule] = {
     aten.reshape.default: _view,
     aten.permute.default: _permute,
     aten.transpose.int: _transpose,
+    aten.t.default: _t,
     aten.unsqueeze.default: _unsqueeze,
+    aten.expand.default: _expand,
 }
 
 # Consumers that need every token and before which gathering is the intended boundary (the next

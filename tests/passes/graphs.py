@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from dtensor_ext.passes.inductor import SequenceParallelPass
 
 from dtensor_ext.testing.mesh import active_mode, local_values
 
@@ -37,7 +40,7 @@ def run(gm: torch.fx.GraphModule, inputs: list) -> list[dict[int, torch.Tensor]]
     args = [mode.rank_map(lambda r, v=v: v[r]) if isinstance(v, list) else v for v in inputs]
     outs = gm(*args)
     outs = outs if isinstance(outs, (tuple, list)) else [outs]
-    return [local_values(o) for o in outs]
+    return [local_values(o) for o in outs if o is not None]  # a joint graph returns None for SymInt inputs' grads
 
 
 def collective_ops(gm: torch.fx.GraphModule) -> str:
@@ -62,3 +65,18 @@ def op_sequence(gm: torch.fx.GraphModule) -> str:
         for n in gm.graph.nodes
         if n.op == "call_function"
     )
+
+
+def snapshot(graph: Graph) -> GraphModule:
+    copy = Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    return GraphModule(torch.nn.Module(), copy)
+
+
+class RecordingPass(SequenceParallelPass):
+    """Keeps runnable copies of the graph it is given (post-grad or joint) before and after the rewrite."""
+
+    def __call__(self, graph: Graph) -> None:
+        self.before = snapshot(graph)
+        super().__call__(graph)
+        self.after = snapshot(graph)

@@ -9,28 +9,15 @@ from expecttest import assert_expected_inline
 from torch._inductor.utils import run_and_get_code
 from torch.fx import Graph, GraphModule
 
+from dtensor_ext.passes import elementwise, register_gather_point, register_token_local
 from dtensor_ext.passes.inductor import SequenceParallelPass
+from dtensor_ext.passes.token_local import GATHER_POINTS, TOKEN_LOCAL
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.testing.mesh import active_mode
-from tests.passes.graphs import WORLD, all_reduce, collective_ops, per_rank, rms, run
+from tests.passes.graphs import WORLD, RecordingPass, all_reduce, collective_ops, per_rank, rms, run
 
 T, H, F_ = 8, 16, 8
 EMBED, W1, W2, LN = per_rank(T, H, seed=0), per_rank(H, F_, seed=1), per_rank(F_, H, seed=2), torch.randn(H)
-
-
-def snapshot(graph: Graph) -> GraphModule:
-    copy = Graph()
-    copy.output(copy.graph_copy(graph, {}))
-    return GraphModule(torch.nn.Module(), copy)
-
-
-class RecordingPass(SequenceParallelPass):
-    """Keeps runnable copies of the post-grad graph before and after the rewrite."""
-
-    def __call__(self, graph: Graph) -> None:
-        self.before = snapshot(graph)
-        super().__call__(graph)
-        self.after = snapshot(graph)
 
 
 def test_compiled_block_is_rewritten_and_post_grad_graphs_agree():
@@ -71,3 +58,24 @@ def test_uuid_is_stable_and_follows_options():
     assert SequenceParallelPass(token_dim=0).uuid() != SequenceParallelPass().uuid()
     rules = {torch.ops.aten.gelu.default: lambda node, dims, size: None}
     assert SequenceParallelPass(token_local=rules).uuid() == SequenceParallelPass(token_local=dict(rules)).uuid()
+
+
+def test_uuid_follows_token_local_and_gather_point_registrations():
+    """A cached compile must not survive a rule change: registering a rule or a gather point changes the key."""
+    op = torch.ops.aten.erf.default
+    saved_rules, saved_points = dict(TOKEN_LOCAL), set(GATHER_POINTS)
+    first = SequenceParallelPass().uuid()
+    try:
+        register_token_local(op, elementwise())
+        as_elementwise = SequenceParallelPass().uuid()
+        register_token_local(op, elementwise("add"))
+        as_add = SequenceParallelPass().uuid()
+        register_gather_point(torch.ops.aten.addmv.default)
+        with_gather_point = SequenceParallelPass().uuid()
+    finally:
+        TOKEN_LOCAL.clear()
+        TOKEN_LOCAL.update(saved_rules)
+        GATHER_POINTS.clear()
+        GATHER_POINTS.update(saved_points)
+    assert len({first, as_elementwise, as_add, with_gather_point}) == 4
+    assert SequenceParallelPass().uuid() == first

@@ -1,5 +1,5 @@
 """Random chains of token-local and token-mixing ops around all_reduces: the pass keeps numerics, rewrites a
-layer exactly when its chain does token-local arithmetic only."""
+layer exactly when its chain starts with token-local arithmetic (a later token-mixing op reads gathered tokens)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,5 @@ def test_random_chains_keep_numerics(chains, tokens):
         for rank in range(WORLD):
             torch.testing.assert_close(after[0][rank], before[0][rank])
 
-    expected = sum(
-        tokens % WORLD == 0 and bool(chain) and not any(name in MIXES_TOKENS for name in chain) for chain in chains
-    )
+    expected = sum(tokens % WORLD == 0 and bool(chain) and chain[0] not in MIXES_TOKENS for chain in chains)
     assert gm.meta["sequence_parallel"].converted == expected

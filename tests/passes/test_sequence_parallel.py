@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from dtensor_ext.passes import rowwise, sequence_parallel
 from dtensor_ext.passes.collectives import eliminate_dead_collectives
@@ -65,6 +66,7 @@ def group():
 PARTIAL, W1, W2, LN = per_rank(T, H, seed=0), per_rank(H, F_, seed=1), per_rank(F_, H, seed=2), per_rank(H, seed=3)[0]
 PARTIAL_6, FULL = per_rank(6, H, seed=4), per_rank(T, H, seed=5)[0]
 PARTIAL_BSH, PARTIAL_4_2 = per_rank(2, T, H, seed=6), per_rank(4, 2, H, seed=7)
+PARTIAL_Q = per_rank(T, H, seed=8)
 
 
 def test_p1_all_reduce_then_norm_scatters_and_gathers_before_matmul(group):
@@ -90,13 +92,24 @@ def test_p1_layer_norm_and_aten_rms_norm_ops(group):
 
     def block(p, ln, w1):
         h = all_reduce(p, group)
-        return F.layer_norm(h, (H,), ln, ln) @ w1, torch.ops.aten.rms_norm(h, [H], ln, 1e-6) @ w1
+        return torch.ops.aten.rms_norm(F.layer_norm(h, (H,), ln, ln), [H], ln, 1e-6) @ w1
 
     _, out = rewrite_and_compare(block, [partial, ln, w1])
-    assert_expected_inline(
-        collective_ops(out), """reduce_scatter_tensor all_gather_into_tensor all_gather_into_tensor"""
-    )
+    assert_expected_inline(collective_ops(out), """reduce_scatter_tensor all_gather_into_tensor""")
     assert out.meta["sequence_parallel"].patterns["P1"] == 1
+
+
+def test_two_full_token_readers_of_one_norm_input_cost_more_bytes_and_are_refused(group):
+    """RS + 2 AG moves 1.5x the bytes of the all_reduce: the cost check keeps the all_reduce and says why."""
+    partial, w1, ln = PARTIAL, W1, LN
+
+    def block(p, ln, w1):
+        h = all_reduce(p, group)
+        return F.layer_norm(h, (H,), ln, ln) @ w1, torch.ops.aten.rms_norm(h, [H], ln, 1e-6) @ w1
+
+    gm, out = rewrite_and_compare(block, [partial, ln, w1])
+    assert_expected_inline(collective_ops(out), """all_reduce""")
+    assert "would move 1.50x the bytes" in out.meta["sequence_parallel"].skipped[0]
 
 
 def test_p2_fused_add_norm_keeps_residual_sharded_across_layers(group):
@@ -189,15 +202,78 @@ def test_all_reduce_feeding_a_matmul_directly_is_left_alone(group):
 
 
 @pytest.mark.parametrize(
-    "mixes_tokens",
-    [lambda h: torch.softmax(h, dim=0), lambda h: h - h.mean(dim=0, keepdim=True), lambda h: h.cumsum(0)],
-    ids=["softmax_over_tokens", "mean_over_tokens", "cumsum_over_tokens"],
+    ("mixes_tokens", "expected"),
+    [
+        (lambda h: torch.softmax(h, dim=0), "all_gather_into_tensor wait_tensor _softmax mm"),
+        (lambda h: h.cumsum(0), "all_gather_into_tensor wait_tensor cumsum mm"),
+    ],
+    ids=["softmax_over_tokens", "cumsum_over_tokens"],
 )
-def test_op_mixing_tokens_in_the_region_leaves_graph_untouched(group, mixes_tokens):
+def test_op_mixing_tokens_runs_on_gathered_tokens(group, mixes_tokens, expected):
+    """The norm runs on the shard; the token-mixing op itself is left alone: it reads every token, gathered."""
+    partial, w1, ln = PARTIAL, W1, LN
+    _, out = rewrite_and_compare(lambda p, ln, w1: mixes_tokens(rms(all_reduce(p, group), ln)) @ w1, [partial, ln, w1])
+    assert op_sequence(out).endswith(expected), op_sequence(out)
+    assert "needs every token" in out.meta["sequence_parallel"].boundaries[0]
+
+
+def test_op_mixing_tokens_whose_input_is_also_needed_sharded_is_left_alone(group):
+    """h - mean_tokens(h): the mean needs h gathered and the matmul needs the difference gathered (1.5x bytes)."""
     partial, w1, ln = PARTIAL, W1, LN
     assert_untouched(
-        lambda p, ln, w1: mixes_tokens(rms(all_reduce(p, group), ln)) @ w1, [partial, ln, w1], "needs every token"
+        lambda p, ln, w1: (lambda h: h - h.mean(dim=0, keepdim=True))(rms(all_reduce(p, group), ln)) @ w1,
+        [partial, ln, w1],
+        "would move 1.50x the bytes",
     )
+
+
+def test_unknown_consumer_stops_the_rewrite_in_its_layer_only(group):
+    """A token-mixing op in layer 1 of 3 gathers that layer's norm output early; every layer is still rewritten."""
+    embed, w1, w2, ln = PARTIAL, W1, W2, LN
+
+    def model(e, ln, w1, w2):
+        h = all_reduce(e, group)
+        for layer in range(3):
+            x = rms(h, ln)
+            x = x.flip(0).cumsum(0) if layer == 1 else x
+            h = h + all_reduce(F.silu(x @ w1) @ w2, group)
+        return rms(h, ln)[-2:]  # a last-token select before the head: needs every token, gathered before it
+
+    _, out = rewrite_and_compare(model, [embed, ln, w1, w2])
+    report = out.meta["sequence_parallel"]
+    assert_expected_inline(report.summary(), """\
+sequence_parallel: 4/4 all_reduce -> reduce_scatter (P1=1, P3=3), 4 all_gather inserted
+  gathered before: flip (aten.flip.default) needs every token of mul_3
+  gathered before: slice_1 (aten.slice.Tensor) needs every token of mul_7""")
+    assert report.bytes_after == report.bytes_before
+
+
+def test_stale_alias_second_reader_sees_the_in_place_update(group):
+    """v = h.view(..); v @ w; h.mul_(2); v @ w: the second matmul must read the doubled values, gathered again."""
+    partial, w1 = PARTIAL, W1
+
+    def block(p, q, w1):
+        h = all_reduce(p, group) + all_reduce(q, group)  # two all_reduces pay for the second gather
+        v = h.view(T, H)
+        first = v @ w1
+        h.mul_(2)
+        return first, v @ w1
+
+    _, out = rewrite_and_compare(block, [partial, PARTIAL_Q, w1])
+    assert_expected_inline(
+        collective_ops(out),
+        """reduce_scatter_tensor reduce_scatter_tensor all_gather_into_tensor all_gather_into_tensor""",
+    )
+
+
+def test_symbolic_token_count_is_reported_loudly(group):
+    """A symbolic sequence length cannot be checked for divisibility: the all_reduce stays and the pass warns."""
+    partial, ln, w1 = PARTIAL, LN, W1
+    gm = make_fx(lambda p, ln, w1: rms(all_reduce(p, group), ln) @ w1, tracing_mode="symbolic")(partial[0], ln, w1[0])
+    with pytest.warns(UserWarning, match="symbolic token count"):
+        report = sequence_parallel(gm).meta["sequence_parallel"]
+    assert report.converted == 0
+    assert "symbolic token count" in report.skipped[0]
 
 
 def test_full_token_operand_meeting_a_shard_leaves_graph_untouched(group):
