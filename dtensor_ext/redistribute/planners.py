@@ -48,6 +48,7 @@ def plan(
     planner: str = "optimal",
     objective: str = "time",
     budget: int = DEFAULT_BUDGET,
+    max_step_dims: int | None = None,
 ) -> Plan:
     mesh_shape = mesh_shape_of(mesh)
     shape, src, dst = validate_request(shape, mesh_shape, src, dst)
@@ -65,7 +66,7 @@ def plan(
     elif planner == "naive":
         steps = _naive(builder, src, dst)
     else:
-        steps, exhaustive = _optimal(builder, src, dst, max_peak_bytes, objective, budget)
+        steps, exhaustive = _optimal(builder, src, dst, max_peak_bytes, objective, budget, max_step_dims)
     result = Plan(
         planner, shape, mesh_shape, dtype, src, dst, tuple(steps), builder.buffer_bytes(src), builder.work, exhaustive
     )
@@ -155,7 +156,7 @@ def _direct(builder: StepBuilder, state, dst) -> list[Step] | None:
     return [step] if step is not None else None
 
 
-def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget) -> tuple[list[Step], bool]:
+def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget, max_step_dims) -> tuple[list[Step], bool]:
     """Best-first search from an incumbent; returns (steps, whether the search finished within `budget`)."""
     if max_peak_bytes is not None:
         for what, placements in (("source", src), ("target", dst)):
@@ -166,7 +167,13 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget) 
                 )
     prefix = _complete_partials(builder, src)
     start_state = prefix[-1].after if prefix else src
-    fits = lambda steps: max_peak_bytes is None or all(s.buffer_bytes <= max_peak_bytes for s in steps)
+    def fits(steps) -> bool:
+        return all(
+            (max_peak_bytes is None or s.buffer_bytes <= max_peak_bytes)
+            and (max_step_dims is None or len(s.mesh_dims) <= max_step_dims)
+            for s in steps
+        )
+
 
     def score(received, spent_time) -> tuple[float, float]:
         return (spent_time, max(received)) if objective == "time" else (max(received), spent_time)
