@@ -742,8 +742,11 @@ def mesh_coordinates_by_rank(mesh) -> dict[int, tuple[int, ...]]:
         return {dist.get_rank(): tuple(int(c) for c in coordinate)}
 
     def on(c, rank: int) -> int:
-        values = getattr(getattr(c, "node", None), "_local_ints", None)
-        return values[rank] if values is not None else int(c)
+        node = getattr(c, "node", None)
+        if node is None:
+            return int(c)
+        values = getattr(node, "_local_ints", None)
+        return values[rank] if values is not None else node.maybe_as_int()  # the same on every rank
 
     return {rank: tuple(on(c, rank) for c in coordinate) for rank in sorted(mode.ranks)}
 

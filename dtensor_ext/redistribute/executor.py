@@ -290,6 +290,8 @@ def execute_local(local: torch.Tensor, mesh, plan: Plan) -> torch.Tensor:
         raise ValueError("the 'dtensor' plan is a record of torch's own redistribute; run DTensor.redistribute")
     if tuple(mesh.shape) != plan.mesh_shape:
         raise ValueError(f"plan for mesh {plan.mesh_shape} given a mesh of shape {tuple(mesh.shape)}")
+    if not plan.steps:
+        return local
     ranks = _Ranks(mesh, plan.mesh_shape)
     for step in plan.steps:
         before, after = Layout(plan.shape, plan.mesh_shape, step.before), Layout(plan.shape, plan.mesh_shape, step.after)

@@ -231,6 +231,8 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget, 
             continue
         seen.append((received, spent_time))
         for step in _moves(builder, state, dst):
+            if builder.work - start_work > budget:
+                break
             if step is None or step.after == state or not fits([step]):
                 continue
             now = tuple(a + b for a, b in zip(received, step.recv_bytes))
