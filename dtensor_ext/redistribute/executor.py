@@ -66,7 +66,7 @@ class _Ranks:
     def group(self, mesh_dims: tuple[int, ...]):
         """(process group argument, members of `index`'s group in group order) for a step over `mesh_dims`."""
         if len(mesh_dims) == 1:
-            group = (self.mesh, mesh_dims[0])
+            group, owner = (self.mesh, mesh_dims[0]), self.mesh
         else:
             flat = flattened_mesh(self.mesh, mesh_dims)
             if flat is None:
@@ -74,7 +74,13 @@ class _Ranks:
                     f"a step over mesh dims {mesh_dims} needs a flattened group, and torch flattens only meshes with "
                     "mesh_dim_names; name the mesh dims or plan with max_step_dims=1"
                 )
-            group = (flat, 0)
+            group, owner = (flat, 0), flat
+        if enabled_local_tensor_mode() is None:
+            # c10d numbers a group's ranks in global rank order, which differs from mesh coordinate order on
+            # meshes with a non-contiguous rank layout
+            index_of = {g: i for i, g in enumerate(self.mesh.mesh.flatten().tolist())}
+            order = [index_of[g] for g in dist.get_process_group_ranks(owner.get_group(group[1] if owner is self.mesh else 0))]
+            return group, lambda index: order
 
         def members(index: int) -> list[int]:
             coord = self.coords[index]
@@ -132,7 +138,8 @@ def _all_to_all(ranks: _Ranks, step: Step, transfers, pack, *local):
     group, members = ranks.group(step.mesh_dims)
 
     def flat(r, *xs):
-        outgoing = sorted((t for t in transfers if t.src == r), key=lambda t: t.dst)
+        order = members(r)
+        outgoing = sorted((t for t in transfers if t.src == r), key=lambda t: order.index(t.dst))
         parts = [p.reshape(-1) for p in pack(r, *xs, outgoing)]
         return torch.cat(parts) if parts else xs[0].new_zeros(0)
 
@@ -151,10 +158,11 @@ def _all_to_all(ranks: _Ranks, step: Step, transfers, pack, *local):
     return funcol.all_to_all_single(ranks.per_rank(flat, *local), split_sizes(False), split_sizes(True), group)
 
 
-def _received(transfers, rank: int, buffer: torch.Tensor):
+def _received(transfers, rank: int, buffer: torch.Tensor, members):
     """(transfer, its tensor) for each piece `rank` received, in the order `_all_to_all` laid them out."""
     offset = 0
-    for t in sorted((t for t in transfers if t.dst == rank), key=lambda t: t.src):
+    order = members(rank)
+    for t in sorted((t for t in transfers if t.dst == rank), key=lambda t: order.index(t.src)):
         shape = [sum(b - a for a, b in d) for d in t.block]
         yield t, buffer[offset : offset + math.prod(shape)].reshape(shape)
         offset += math.prod(shape)
@@ -176,7 +184,7 @@ def _exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout):
         if _numel(kept):
             _assign(out, _positions(after.blocks[r], kept), _select(x, _positions(before.blocks[r], kept)))
         if received is not None:
-            for t, piece in _received(step.transfers, r, received):
+            for t, piece in _received(step.transfers, r, received, ranks.group(step.mesh_dims)[1]):
                 _assign(out, _positions(after.blocks[r], t.block), piece)
         return _zero_new_partials(r, out, step, before)
 
@@ -193,7 +201,7 @@ def _reduce_exchange(ranks: _Ranks, local, step: Step, before: Layout, after: La
     def merge(r, x, pieces) -> torch.Tensor:
         """The reduced values of every block rank r merges, flattened one after another in merge order."""
         parts = {m.block: [_select(x, _positions(before.blocks[r], m.block))] for m in step.merges if m.rank == r}
-        for t, piece in _received(gather, r, pieces):
+        for t, piece in _received(gather, r, pieces, ranks.group(step.mesh_dims)[1]):
             parts[t.block].append(piece)
         flat = [_combine(values, reduce_op).reshape(-1) for values in parts.values()]
         return torch.cat(flat) if flat else x.new_zeros(0)
@@ -218,7 +226,7 @@ def _reduce_exchange(ranks: _Ranks, local, step: Step, before: Layout, after: La
             if m.rank == r and m.keeps:
                 _assign(out, _positions(after.blocks[r], m.block), mine[m.block])
         if received is not None:
-            for t, piece in _received(step.transfers, r, received):
+            for t, piece in _received(step.transfers, r, received, ranks.group(step.mesh_dims)[1]):
                 _assign(out, _positions(after.blocks[r], t.block), piece)
         return out
 
