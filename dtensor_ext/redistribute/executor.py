@@ -41,6 +41,7 @@ class _Ranks:
 
     def __init__(self, mesh, mesh_shape):
         coords = mesh_coordinates_by_rank(mesh)
+        self.simulated = enabled_local_tensor_mode() is not None  # asked once: per_rank disables the mode inside
         self.mesh, self.mesh_shape = mesh, tuple(mesh_shape)
         self.index = {r: _row_major(c, mesh_shape) for r, c in coords.items()}
         self.coords = coordinates(mesh_shape)
@@ -48,10 +49,10 @@ class _Ranks:
     def per_rank(self, fn, *tensors):
         """fn(mesh index, *that rank's tensors) on every simulated rank, or on this process's rank."""
         tensors = [t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t for t in tensors]
-        mode = enabled_local_tensor_mode()
-        if mode is None:
+        if not self.simulated:
             (rank,) = self.index
             return fn(self.index[rank], *tensors)
+        mode = enabled_local_tensor_mode()
         with mode.disable():
             return LocalTensor(
                 {r: fn(self.index[r], *[local_tensor_values(t)[r] for t in tensors]) for r in sorted(mode.ranks)}
@@ -59,7 +60,7 @@ class _Ranks:
 
     def ints(self, values_by_index):
         """One int per rank (values_by_index(mesh index)), as collectives take split sizes."""
-        if enabled_local_tensor_mode() is None:
+        if not self.simulated:
             return values_by_index(next(iter(self.index.values())))
         return {r: values_by_index(i) for r, i in self.index.items()}
 
@@ -75,7 +76,7 @@ class _Ranks:
                     "mesh_dim_names; name the mesh dims or plan with max_step_dims=1"
                 )
             group, owner = (flat, 0), flat
-        if enabled_local_tensor_mode() is None:
+        if not self.simulated:
             # c10d numbers a group's ranks in global rank order, which differs from mesh coordinate order on
             # meshes with a non-contiguous rank layout
             index_of = {g: i for i, g in enumerate(self.mesh.mesh.flatten().tolist())}
