@@ -132,3 +132,17 @@ def test_partial_on_a_size_one_mesh_dim_is_complete_already():
         assert recorder.calls == [] and torch.allclose(y.full_tensor(), t)
     finally:
         engine.disable()
+
+
+def test_a_step_on_one_mesh_dim_runs_in_every_group_of_that_dim():
+    """Each rank reads its pieces in its own group's order (ranks 2 and 3 form the second d1 group)."""
+    t = torch.randn(4, 6)
+    with _named((2, 2)) as mesh:
+        x = distribute_tensor(t, mesh, P("S0,S1"))
+        theirs = _values(x.redistribute(mesh, P("S0,R")))
+        engine.enable()
+        try:
+            ours = _values(x.redistribute(mesh, P("S0,R")))
+        finally:
+            engine.disable()
+    assert all(torch.equal(ours[r], theirs[r]) for r in theirs)

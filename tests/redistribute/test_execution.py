@@ -133,3 +133,22 @@ def test_reduce_exchange_merges_pieces_where_they_are_needed():
     with named_mesh((2, 2, 2)) as mesh:
         x = placed_dtensor(mesh, t, P("P(sum),S0,S1"))
         assert _same(redistribute(x, P("S1,S0,R"), objective="bytes"), x.redistribute(mesh, P("S1,S0,R")))
+
+
+def test_backward_keeps_partial_gradients_and_drops_the_forward_peak_cap():
+    t = torch.randn(64, 64)
+    with named_mesh((2, 2)) as mesh:
+        # DTensor keeps a Partial gradient Partial: P(sum),R -> P(sum),S1 moves nothing
+        x = placed_dtensor(mesh, t, P("P(sum),S1")).requires_grad_()
+        y = redistribute(x, P("P(sum),R"))
+        recorder = CollectiveRecorder()
+        with recorder:
+            (grad,) = torch.autograd.grad(y, x, placed_dtensor(mesh, t, P("P(sum),R")))
+        assert grad.placements == P("P(sum),S1") and recorder.calls == []
+        # a cap that fits the forward's layouts (S0,S0 -> S0,S1) is not applied to the gradient's way back
+        cap = 64 * 64 * 4 // 4
+        a = placed_dtensor(mesh, t, P("S0,S0")).requires_grad_()
+        b = redistribute(a, P("S0,S1"), max_peak_bytes=cap)
+        (grad,) = torch.autograd.grad(b, a, placed_dtensor(mesh, t, P("R,R")))
+        assert grad.placements == P("S0,S0")
+        assert torch.allclose(reassemble(local_values(grad), P("S0,S0"), mesh.mesh, (64, 64)), t)
