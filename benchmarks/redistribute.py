@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/redistribute.py               # bytes and peak table (simulated meshes)
     PYTHONPATH=. python benchmarks/redistribute.py --gloo-ranks 4 # + wall time of executing each, 4 gloo ranks
+    PYTHONPATH=. python benchmarks/redistribute.py --engine --gloo-ranks 4  # install(planner=True) side by side
 
 Bytes: the busiest rank's received bytes and the largest local buffer, relative to the lower bound. The DTensor
 column runs torch's own redistribute on a simulated mesh and counts its collectives. "optimal/t" minimises the
@@ -130,19 +131,112 @@ def _gloo_worker(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+FSDP_TP = ((1024, 1024), "S0,S0", "R,R")  # 2-D FSDP+TP-like: gather both mesh dims, then shard back
+
+
+def _recorded(fn):
+    """(result, collectives issued, bytes the busiest rank received) of one call, from the collectives that ran:
+    an all-gather's output minus its input; our all-to-alls carry only pieces for other ranks (their outputs)."""
+    from dtensor_ext.redistribute.measure import CollectiveRecorder
+
+    recorder = CollectiveRecorder()
+    with recorder:
+        out = fn()
+    received: dict[int, int] = {}
+    for kind, _, inputs, outputs, _ in recorder.calls:
+        if kind not in ("all_gather", "all_to_all"):
+            raise ValueError(f"{kind}: the engine table counts received bytes of gathers and all-to-alls only")
+        for r in outputs:
+            kept = math.prod(inputs[r]) if kind == "all_gather" else 0
+            received[r] = received.get(r, 0) + (math.prod(outputs[r]) - kept) * 4
+    return out, len(recorder.calls), max(received.values(), default=0)
+
+
+def engine_table() -> None:
+    """The demo's 2x2 (dp, tp) training step and the FSDP+TP pattern with and without install(planner=True)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from dtensor_ext.demo import run_demo
+    from dtensor_ext.redistribute import engine
+    from dtensor_ext.testing import simulated_mesh
+
+    print("\ninstall(planner=True) side by side (simulated 2x2 mesh, fp32)")
+    print(f"{'workload':<48}{'planner':<9}{'collectives':>12}{'bytes':>12}{'max error':>11}")
+    for enabled in (False, True):
+        engine.enable() if enabled else engine.disable()
+        try:
+            r = run_demo((2, 2))
+        finally:
+            engine.disable()
+        calls = sum(r.collectives.values())
+        payload = sum(r.payload_bytes.values())
+        error = max(r.max_grad_error, r.max_output_error)
+        print(f"{'demo training step, dp x tp (payload bytes)':<48}{'on' if enabled else 'off':<9}{calls:>12}"
+              f"{payload:>12}{error:>11.1e}")
+    shape, src, dst = FSDP_TP
+    full = torch.randn(shape)
+    for enabled in (False, True):
+        with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+            x = distribute_tensor(full, mesh, parse_placements(src))
+            engine.enable() if enabled else engine.disable()
+            try:
+                y, calls_there, there = _recorded(lambda: x.redistribute(mesh, parse_placements(dst)))
+                z, calls_back, back = _recorded(lambda: y.redistribute(mesh, parse_placements(src)))
+            finally:
+                engine.disable()
+            error = max((y.full_tensor() - full).abs().max().item(), (z.full_tensor() - full).abs().max().item())
+        if not enabled:  # torch's all_gathers: the recorded plan of torch's own run
+            there = plan(shape, (2, 2), parse_placements(src), parse_placements(dst), planner="dtensor").max_recv_bytes
+        label = f"{src} -> {dst} -> {src} {shape} (recv bytes)"
+        print(f"{label:<48}{'on' if enabled else 'off':<9}{calls_there + calls_back:>12}{there + back:>12}"
+              f"{error:>11.1e}")
+
+
+def _engine_gloo_worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from dtensor_ext.redistribute import engine
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    shape, src, dst = FSDP_TP
+    x = distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(0)), mesh, parse_placements(src))
+    round_trip = lambda: x.redistribute(mesh, parse_placements(dst)).redistribute(mesh, parse_placements(src))
+    times = {}
+    for enabled in (False, True, False, True):  # interleaved: load on the shared machine hits both alike
+        engine.enable() if enabled else engine.disable()
+        try:
+            times.setdefault(enabled, []).append(_time(round_trip))
+        finally:
+            engine.disable()
+    if rank == 0:
+        off, on = min(times[False]), min(times[True])
+        print(f"\n{src} -> {dst} -> {src} {shape} on {world} gloo ranks: DTensor {off * 1e3:.2f} ms, "
+              f"planner {on * 1e3:.2f} ms (x{on / off:.2f}; best of two medians of 5 runs each)")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gloo-ranks", type=int, default=0, help="also time execution on this many gloo ranks")
     parser.add_argument("--skip-table", action="store_true", help="only the gloo timing")
+    parser.add_argument("--engine", action="store_true", help="install(planner=True) against DTensor instead")
     args = parser.parse_args()
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    if not args.skip_table:
+    if args.engine:
+        engine_table()
+    elif not args.skip_table:
         bytes_table()
     if args.gloo_ranks:
         import torch.multiprocessing as mp
 
-        mp.start_processes(_gloo_worker, args=(args.gloo_ranks, _free_port()), nprocs=args.gloo_ranks,
-                           start_method="spawn")
+        worker = _engine_gloo_worker if args.engine else _gloo_worker
+        mp.start_processes(worker, args=(args.gloo_ranks, _free_port()), nprocs=args.gloo_ranks, start_method="spawn")
 
 
 if __name__ == "__main__":

@@ -16,3 +16,29 @@ __version__ = "0.1.0"
 
 # DTENSOR_EXT_FAST_PROPAGATION=1 turns fast propagation on from the start (e.g. to run a test suite with it).
 install(fast_propagation=True if os.environ.get("DTENSOR_EXT_FAST_PROPAGATION") == "1" else None)
+
+
+# --- planner= option (dtensor_ext.redistribute.engine): DTensor's redistribution through the planner ---
+def _with_planner(install_rules, uninstall_rules):
+    from dtensor_ext.redistribute import engine
+
+    def install(*, planner: bool | None = None, **options):
+        """install(...) of dtensor_ext.registry; planner=True also makes DTensor redistribute along the planner's
+        plans, False puts torch's redistribution back, None leaves it as it is."""
+        entries = install_rules(**options)
+        if planner is not None:
+            engine.enable() if planner else engine.disable()
+        return entries
+
+    def uninstall():
+        engine.disable()
+        uninstall_rules()
+
+    install.__wrapped__, uninstall.__wrapped__ = install_rules, uninstall_rules
+    return install, uninstall
+
+
+install, uninstall = _with_planner(install, uninstall)
+# DTENSOR_EXT_PLANNER=1 turns the planner on from the start (e.g. to run a test suite with it).
+if os.environ.get("DTENSOR_EXT_PLANNER") == "1":
+    install(planner=True)

@@ -821,3 +821,56 @@ def size_hint(size: Any) -> int:
     except ImportError:  # torch 2.12
         return size.node.hint
     return optimization_hint(size)
+
+
+# --- redistribution planner (dtensor_ext.redistribute): sub-mesh coordinates and DTensor's redistribution hook ---
+_REDISTRIBUTE_CALLERS = ("_redistribute", "_dispatch", "_api")  # modules calling redistribute_local_tensor by name
+
+
+def mesh_coordinates_by_rank(mesh) -> dict[int, tuple[int, ...]]:
+    """Global rank -> its coordinate in `mesh` (every simulated rank under LocalTensorMode, where a sub-mesh stands
+    for the slice each rank belongs to; only this rank otherwise); empty where this rank is not in `mesh`."""
+    import torch.distributed as dist
+
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return {}
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        return {dist.get_rank(): tuple(int(c) for c in coordinate)}
+
+    def on(c, rank: int) -> int:
+        node = getattr(c, "node", None)
+        if node is None:
+            return int(c)
+        values = getattr(node, "_local_ints", None)
+        return values[rank] if values is not None else node.maybe_as_int()  # the same on every rank
+
+    return {rank: tuple(on(c, rank) for c in coordinate) for rank in sorted(mode.ranks)}
+
+
+def flattened_mesh(mesh, mesh_dims: tuple[int, ...]):
+    """A 1-D mesh over `mesh_dims` of `mesh` (row-major), reusing one DeviceMesh._flatten made before; None where the
+    mesh has no dim names (torch cannot flatten it)."""
+    if mesh.mesh_dim_names is None:
+        return None
+    names = tuple(mesh.mesh_dim_names[d] for d in mesh_dims)
+    return mesh[names]._flatten("_".join(("dtensor_ext", *names)))
+
+
+def redistribute_local_tensor_functions() -> dict[str, Callable]:
+    """module name -> the `redistribute_local_tensor` it calls (explicit redistribute, dispatch, full_tensor's
+    backward and Redistribute's own backward all go through one of these names)."""
+    modules = {name: importlib.import_module(f"torch.distributed.tensor.{name}") for name in _REDISTRIBUTE_CALLERS}
+    return {name: m.redistribute_local_tensor for name, m in modules.items() if hasattr(m, "redistribute_local_tensor")}
+
+
+def set_redistribute_local_tensor(module_name: str, function: Callable) -> None:
+    importlib.import_module(f"torch.distributed.tensor.{module_name}").redistribute_local_tensor = function
+
+
+def tracing_for_compile() -> bool:
+    """Whether dynamo/make_fx is tracing (DTensor plans differently then, without its caches)."""
+    from torch.distributed.tensor._redistribute import _are_we_tracing
+
+    return _are_we_tracing()

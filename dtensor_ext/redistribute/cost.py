@@ -83,6 +83,12 @@ class RingCostModel:
         links = [*self.per_mesh_dim.values(), *([self.default] if self.default else [])]
         return min(x.beta_s_per_byte for x in links)
 
+    @property
+    def min_alpha(self) -> float:
+        """Seconds no message beats: any step that moves data costs at least this."""
+        links = [*self.per_mesh_dim.values(), *([self.default] if self.default else [])]
+        return min(x.alpha_s for x in links)
+
 
 class IdealCostModel(RingCostModel):
     """The same link on every mesh dim (defaults: 5 us, 100 GB/s)."""
@@ -123,6 +129,7 @@ class DTensorCostModel:
         return DTensorCostModel(mesh_shape)
 
     min_beta = 1 / (87.7 * 1024**3)  # torch divides GiB by its 87.7 figure
+    min_alpha = 0.0  # torch's latency term is not a fixed per-message figure; 0 keeps the heuristic admissible
 
     def collective_time(self, kind: str, mesh_dims: tuple[int, ...], bytes_per_rank: int) -> float:
         _check_kind(kind)

@@ -11,7 +11,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from dtensor_ext._compat import Placement, StridedShard
 from dtensor_ext.redistribute.placements import is_shard
@@ -39,6 +39,7 @@ def _take(intervals: Intervals, start: int, stop: int) -> Intervals:
     return tuple(out)
 
 
+@lru_cache(maxsize=65536)
 def _length(intervals: Intervals) -> int:
     return sum(b - a for a, b in intervals)
 
@@ -66,6 +67,7 @@ def _merge(pieces) -> Intervals:
     return tuple((a, b) for a, b in merged)
 
 
+@lru_cache(maxsize=65536)  # planning intersects the same few per-dim interval lists over and over
 def intersect(x: Intervals, y: Intervals) -> Intervals:
     out, i, j = [], 0, 0
     while i < len(x) and j < len(y):

@@ -67,6 +67,8 @@ class Plan:
     dst: tuple[Placement, ...]
     steps: tuple[Step, ...]
     source_bytes: int  # largest local buffer before the first step
+    work: int = field(default=0, compare=False)  # planning effort: rank pairs examined (see planners.DEFAULT_BUDGET)
+    exhaustive: bool = field(default=True, compare=False)  # False: the search stopped at its budget
 
     @property
     def recv_bytes_per_rank(self) -> tuple[int, ...]:

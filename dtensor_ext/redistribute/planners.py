@@ -27,6 +27,9 @@ __all__ = ["PLANNERS", "OBJECTIVES", "NoFeasiblePlan", "plan"]
 
 PLANNERS = ("naive", "dtensor", "optimal")
 OBJECTIVES = ("time", "bytes")
+# Planning effort allowed beyond the incumbents, counted in rank pairs examined while building steps (about 3 us
+# each in CPython): deterministic, so every rank of a job stops at the same plan, whatever its load.
+DEFAULT_BUDGET = 2048
 
 
 class NoFeasiblePlan(ValueError):
@@ -44,6 +47,8 @@ def plan(
     max_peak_bytes: int | None = None,
     planner: str = "optimal",
     objective: str = "time",
+    budget: int = DEFAULT_BUDGET,
+    max_step_dims: int | None = None,
 ) -> Plan:
     mesh_shape = mesh_shape_of(mesh)
     shape, src, dst = validate_request(shape, mesh_shape, src, dst)
@@ -53,6 +58,7 @@ def plan(
         raise ValueError(f"objective {objective!r}: expected one of {OBJECTIVES}")
     model = (cost_model or IdealCostModel()).bind(mesh_shape)
     builder = StepBuilder(shape, mesh_shape, dtype, model)
+    exhaustive = True
     if planner == "dtensor":
         from dtensor_ext.redistribute.measure import dtensor_steps
 
@@ -60,8 +66,10 @@ def plan(
     elif planner == "naive":
         steps = _naive(builder, src, dst)
     else:
-        steps = _optimal(builder, src, dst, max_peak_bytes, objective)
-    result = Plan(planner, shape, mesh_shape, dtype, src, dst, tuple(steps), builder.buffer_bytes(src))
+        steps, exhaustive = _optimal(builder, src, dst, max_peak_bytes, objective, budget, max_step_dims)
+    result = Plan(
+        planner, shape, mesh_shape, dtype, src, dst, tuple(steps), builder.buffer_bytes(src), builder.work, exhaustive
+    )
     if planner != "optimal" and max_peak_bytes is not None and result.peak_bytes > max_peak_bytes:
         raise NoFeasiblePlan(
             f"the {planner} plan holds {result.peak_bytes} bytes on a rank, over max_peak_bytes={max_peak_bytes}"
@@ -71,7 +79,8 @@ def plan(
 
 def _naive(builder: StepBuilder, src, dst) -> list[Step]:
     """All-reduce every Partial, gather everything, then keep each rank's target piece."""
-    steps, state = [], src
+    steps = _complete_partials(builder, src)
+    state = steps[-1].after if steps else src
     for mesh_dim in reduced_dims(src, dst, builder.mesh_shape):
         steps.append(builder.all_reduce(state, mesh_dim))
         state = steps[-1].after
@@ -100,12 +109,55 @@ def _moves(builder: StepBuilder, state, dst):
         for p in dict.fromkeys([*options, dst[mesh_dim]]):
             if p != current and not isinstance(p, Partial):
                 yield builder.exchange(state, replace_placement(state, mesh_dim, p))
-    for mesh_dim in pending:  # an exact reduction of size-1 mesh dims (no data moves)
-        if builder.mesh_shape[mesh_dim] == 1:
-            yield builder.exchange(state, replace_placement(state, mesh_dim, Replicate()))
 
 
-def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective) -> list[Step]:
+def _complete_partials(builder: StepBuilder, src) -> list[Step]:
+    """A Partial on a size-1 mesh dim already holds the full value: relabel it Replicate, moving nothing."""
+    done = tuple(Replicate() if isinstance(p, Partial) and n == 1 else p for p, n in zip(src, builder.mesh_shape))
+    if done == src:
+        return []
+    zeros = (0,) * builder.world
+    return [Step("local", (), src, done, zeros, builder.buffer_bytes(done), 0.0)]
+
+
+def _dtensor_like(builder: StepBuilder, state, dst) -> list[Step] | None:
+    """DTensor's way: reduce each Partial mesh dim on its own (reduce-scatter where the target shards), gather the
+    changed mesh dims right to left but the leftmost, move that one in place, then split the others locally."""
+    steps = []
+
+    def to(target) -> bool:
+        nonlocal state
+        step = builder.exchange(state, target)
+        if step is None:
+            return False
+        steps.append(step)
+        state = target
+        return True
+
+    for mesh_dim in reduced_dims(state, dst, builder.mesh_shape):
+        target = dst[mesh_dim]
+        step = builder.reduce_scatter(state, mesh_dim, target.dim) if isinstance(target, Shard) else None
+        steps.append(step or builder.all_reduce(state, mesh_dim))
+        state = steps[-1].after
+    changed = [j for j in range(len(state)) if state[j] != dst[j]]
+    for mesh_dim in reversed(changed[1:]):
+        if not isinstance(state[mesh_dim], Replicate) and not to(replace_placement(state, mesh_dim, Replicate())):
+            return None
+    for mesh_dim in changed:
+        if state[mesh_dim] != dst[mesh_dim] and not to(replace_placement(state, mesh_dim, dst[mesh_dim])):
+            return None
+    return steps
+
+
+def _direct(builder: StepBuilder, state, dst) -> list[Step] | None:
+    """One step straight to the target: a reduce_exchange where Partials are reduced, an exchange otherwise."""
+    step = builder.reduce_exchange(state, dst) if reduced_dims(state, dst, builder.mesh_shape) else None
+    step = step or builder.exchange(state, dst)
+    return [step] if step is not None else None
+
+
+def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget, max_step_dims) -> tuple[list[Step], bool]:
+    """Best-first search from an incumbent; returns (steps, whether the search finished within `budget`)."""
     if max_peak_bytes is not None:
         for what, placements in (("source", src), ("target", dst)):
             if builder.buffer_bytes(placements) > max_peak_bytes:
@@ -113,48 +165,84 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective) -> list[
                     f"max_peak_bytes={max_peak_bytes}: the {what} layout {format_placements(placements)} alone "
                     f"holds {builder.buffer_bytes(placements)} bytes on a rank"
                 )
+    prefix = _complete_partials(builder, src)
+    start_state = prefix[-1].after if prefix else src
+    def fits(steps) -> bool:
+        return all(
+            (max_peak_bytes is None or s.buffer_bytes <= max_peak_bytes)
+            and (max_step_dims is None or len(s.mesh_dims) <= max_step_dims)
+            for s in steps
+        )
+
+
+    def score(received, spent_time) -> tuple[float, float]:
+        return (spent_time, max(received)) if objective == "time" else (max(received), spent_time)
+
+    def total(steps) -> tuple[float, float]:
+        return score([sum(s.recv_bytes[r] for s in steps) for r in range(builder.world)] or [0], sum(s.time_s for s in steps))
+
+    incumbents = [_dtensor_like(builder, start_state, dst), _direct(builder, start_state, dst)]
+    incumbents = [steps for steps in incumbents if steps is not None and fits(steps)]
+    best = min(incumbents, key=total, default=None)
+    best_score = total(best) if best is not None else (float("inf"), float("inf"))
+
     @functools.lru_cache(maxsize=None)
     def remaining(state):
         """Lower bound from `state` to the target (None where the target's Partial needs a Replicate first)."""
         if any(isinstance(q, Partial) and q != p and not isinstance(p, Replicate) for p, q in zip(state, dst)):
             return None
+        builder.work += builder.world
         return lower_bound(builder.shape, builder.mesh_shape, state, dst, dtype=_dtype_of(builder.itemsize))
+
+    min_alpha = builder.cost.min_alpha
 
     def priority(state, received, spent_time) -> tuple[float, float]:
         """(what is minimised, tie-break), both never above their final values along any completion."""
         bound = remaining(state)
         if objective == "time":
-            ahead = bound.max_recv_bytes * builder.cost.min_beta if bound else 0.0
+            # anything left to receive takes at least one message
+            ahead = bound.max_recv_bytes * builder.cost.min_beta + min_alpha if bound and bound.max_recv_bytes else 0.0
             return spent_time + ahead, max(received)
-        # bytes: the busiest rank's total, so the per-rank sums are part of the search state
         ahead = max(max(r + n for r, n in zip(received, bound.recv_bytes_per_rank)), bound.max_recv_bytes) if bound else 0
         return max(max(received), ahead), spent_time
 
     tie = itertools.count()
-    start = (0,) * builder.world
-    frontier = [(*priority(src, start, 0.0), next(tie), src, start, 0.0, [])]
-    settled: dict[tuple, float] = {}
+    zero = (0,) * builder.world
+    frontier = [(priority(start_state, zero, 0.0), next(tie), start_state, zero, 0.0, [])]
+    settled: dict[tuple, list[tuple]] = {}
+    start_work = builder.work
     while frontier:
-        _, _, _, state, received, spent_time, path = heapq.heappop(frontier)
+        if builder.work - start_work > budget:
+            if best is None:
+                raise NoFeasiblePlan(
+                    f"no plan from {format_placements(src)} to {format_placements(dst)} within max_peak_bytes="
+                    f"{max_peak_bytes} found in the planning budget ({budget} rank pairs); raise `budget`"
+                )
+            return prefix + best, False
+        head, _, state, received, spent_time, path = heapq.heappop(frontier)
+        if head >= best_score:
+            break
         if state == dst:
-            return path
-        key = state if objective == "time" else (state, received)
-        if key in settled:
+            best, best_score = path, score(received, spent_time)
             continue
-        settled[key] = spent_time
+        # skip a state already reached with no more received on any rank and no more time
+        seen = settled.setdefault(state, [])
+        if any(all(a <= b for a, b in zip(r, received)) and t <= spent_time for r, t in seen):
+            continue
+        seen.append((received, spent_time))
         for step in _moves(builder, state, dst):
-            if step is None or step.after == state:
-                continue
-            if max_peak_bytes is not None and step.buffer_bytes > max_peak_bytes:
+            if builder.work - start_work > budget:
+                break
+            if step is None or step.after == state or not fits([step]):
                 continue
             now = tuple(a + b for a, b in zip(received, step.recv_bytes))
-            heapq.heappush(
-                frontier,
-                (*priority(step.after, now, spent_time + step.time_s), next(tie), step.after, now,
-                 spent_time + step.time_s, [*path, step]),
-            )
-    cap = f" within max_peak_bytes={max_peak_bytes}" if max_peak_bytes is not None else ""
-    raise NoFeasiblePlan(f"no plan from {format_placements(src)} to {format_placements(dst)}{cap}")
+            ahead = priority(step.after, now, spent_time + step.time_s)
+            if ahead < best_score:
+                heapq.heappush(frontier, (ahead, next(tie), step.after, now, spent_time + step.time_s, [*path, step]))
+    if best is None:
+        cap = f" within max_peak_bytes={max_peak_bytes}" if max_peak_bytes is not None else ""
+        raise NoFeasiblePlan(f"no plan from {format_placements(src)} to {format_placements(dst)}{cap}")
+    return prefix + best, True
 
 
 def _dtype_of(itemsize: int) -> torch.dtype:

@@ -10,6 +10,7 @@ straight to the ranks that need them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import lru_cache
 
@@ -33,8 +34,14 @@ class StepBuilder:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.coords = coordinates(mesh_shape)
         self.world = len(self.coords)
-        self.layout = lru_cache(maxsize=None)(lambda placements: Layout(shape, mesh_shape, placements))
+        self.layout = lru_cache(maxsize=None)(self._layout)
         self.exchange = lru_cache(maxsize=None)(self._exchange)
+        # deterministic measure of planning effort (rank pairs examined), which bounds the planner's search
+        self.work = 0
+
+    def _layout(self, placements) -> Layout:
+        self.work += self.world
+        return Layout(self.shape, self.mesh_shape, placements)
 
     def buffer_bytes(self, placements) -> int:
         return self.layout(placements).max_local_numel * self.itemsize
@@ -54,17 +61,18 @@ class StepBuilder:
         transfers, recv = [], [0] * self.world
         peers_in, peers_out = [set() for _ in range(self.world)], [set() for _ in range(self.world)]
         spanned = set()
+        holders_by_class: dict[tuple, dict[tuple, list[int]]] = {}
+        for src in range(self.world):
+            partial_coord = tuple(self.coords[src][j] for j in kept_partial)
+            holders_by_class.setdefault(partial_coord, {}).setdefault(before.blocks[src], []).append(src)
+        indexes = {key: _BlockIndex(holders) for key, holders in holders_by_class.items()}
+        self.work += self.world
         for dst in range(self.world):
             own = before.blocks[dst]
-            holders: dict[tuple, list[int]] = {}
-            for src in range(self.world):
-                if all(self.coords[src][j] == self.coords[dst][j] for j in kept_partial):
-                    holders.setdefault(before.blocks[src], []).append(src)
-            for block, ranks in holders.items():
+            index = indexes[tuple(self.coords[dst][j] for j in kept_partial)]
+            for block, ranks, piece in index.overlapping(after.blocks[dst]):
+                self.work += 1
                 if block == own:
-                    continue
-                piece = after.overlap(dst, before, ranks[0])
-                if count(piece) == 0:
                     continue
                 src = min(ranks, key=lambda r: (self._distance(r, dst), r))
                 transfers.append(Transfer(src, dst, piece))
@@ -102,6 +110,7 @@ class StepBuilder:
         b = replace_placement(a, mesh_dim, Replicate())
         n = self.mesh_shape[mesh_dim]
         layout = self.layout(a)
+        self.work += self.world
         local = [layout.local_numel(r) for r in range(self.world)]
         recv = tuple(-(-2 * (n - 1) * m // n) * self.itemsize for m in local)  # whole elements
         largest = max(local) * self.itemsize
@@ -116,6 +125,7 @@ class StepBuilder:
         b = replace_placement(a, mesh_dim, Shard(tensor_dim))
         n = self.mesh_shape[mesh_dim]
         layout = self.layout(a)
+        self.work += self.world
         recv, padded = [], []
         for r in range(self.world):
             local_shape = layout.local_shapes[r]
@@ -152,6 +162,7 @@ class StepBuilder:
             peers[phase][1][src].add(dst)
             spanned.update(j for j in range(len(self.mesh_shape)) if self.coords[src][j] != self.coords[dst][j])
 
+        self.work += self.world * len(set(before.blocks))
         for members in classes.values():
             needers, holders = self._group_by_block(after, members), self._group_by_block(before, members)
             for target_block, needing in needers.items():
@@ -194,3 +205,24 @@ class StepBuilder:
             if layout.local_numel(r):
                 out.setdefault(layout.blocks[r], []).append(r)
         return out
+
+
+class _BlockIndex:
+    """Source blocks found by their per-dim intervals, so that a target block meets only the blocks it overlaps
+    (on a 64-rank mesh a handful, not 64)."""
+
+    def __init__(self, holders: dict[tuple, list[int]]):
+        self.holders = holders
+        ndim = len(next(iter(holders)))
+        self.per_dim = [sorted({block[d] for block in holders}) for d in range(ndim)]
+
+    def overlapping(self, target: tuple):
+        """(block, its ranks, its non-empty overlap with `target`) for every source block meeting `target`."""
+        meets = []
+        for d, intervals in enumerate(self.per_dim):
+            meets.append([(x, cut) for x in intervals if (cut := intersect(x, target[d]))])
+        for combo in itertools.product(*meets):
+            block = tuple(x for x, _ in combo)
+            ranks = self.holders.get(block)
+            if ranks is not None:
+                yield block, ranks, tuple(cut for _, cut in combo)

@@ -1,4 +1,9 @@
 from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor
+
+from dtensor_ext._compat import enabled_local_tensor_mode
+from dtensor_ext.testing import rank_coordinates
+from dtensor_ext.testing.layout import place
 
 from dtensor_ext.testing.strategies import placements_for, shapes
 
@@ -12,3 +17,12 @@ def execution_requests(draw):
     src = draw(placements_for(len(shape), len(mesh_shape), partial=(reduce_op,)))
     dst = draw(placements_for(len(shape), len(mesh_shape), partial=()))
     return mesh_shape, shape, src, dst
+
+
+def placed_dtensor(mesh, t, placements) -> DTensor:
+    """`t` laid out as `placements` on a simulated mesh; Partial dims hold random pieces that reduce to `t`."""
+    mode = enabled_local_tensor_mode()
+    with mode.disable():  # plain tensors: `place` caches helper tensors, which must not belong to this mesh
+        pieces = place(t, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=3)
+    local = mode.rank_map(lambda r: pieces[r])
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())

@@ -11,17 +11,14 @@ from dtensor_ext.redistribute.layout import count
 from dtensor_ext.redistribute.measure import CollectiveRecorder
 from dtensor_ext.testing import local_values, rank_coordinates, simulated_mesh
 from dtensor_ext.testing.layout import place, reassemble
-from tests.redistribute.strategies import execution_requests
+from tests.redistribute.strategies import execution_requests, placed_dtensor
 
 P = parse_placements
 
 
-def _dtensor(mesh, t, placements):
-    mode = enabled_local_tensor_mode()
-    with mode.disable():  # plain tensors: `place` caches helper tensors, which must not belong to this mesh
-        pieces = place(t, placements, tuple(mesh.shape), rank_coordinates(mesh), salt=3)
-    local = mode.rank_map(lambda r: pieces[r])
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+def named_mesh(mesh_shape):
+    """A simulated mesh with dim names, so that steps over several mesh dims run on flattened sub-meshes."""
+    return simulated_mesh(mesh_shape, mesh_dim_names=tuple(f"d{i}" for i in range(len(mesh_shape))))
 
 
 def _same(a: DTensor, b: DTensor) -> bool:
@@ -34,8 +31,8 @@ def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request, ob
     mesh_shape, shape, src, dst = request
     t = torch.randn(shape)
     chosen = plan(shape, mesh_shape, src, dst, objective=objective)
-    with simulated_mesh(mesh_shape) as mesh:
-        x = _dtensor(mesh, t, src)
+    with named_mesh(mesh_shape) as mesh:
+        x = placed_dtensor(mesh, t, src)
         recorder = CollectiveRecorder()
         with recorder:
             ours = redistribute(x, dst, objective=objective)
@@ -72,11 +69,11 @@ def _claimed_all_to_alls(chosen) -> list[tuple[int, ...]]:
 
 def test_uneven_3d_transpose_and_strided_source():
     t = torch.randn(7, 5)
-    with simulated_mesh((2, 2, 2)) as mesh:
-        x = _dtensor(mesh, t, P("S0,S0,S0"))
+    with named_mesh((2, 2, 2)) as mesh:
+        x = placed_dtensor(mesh, t, P("S0,S0,S0"))
         assert _same(redistribute(x, P("S1,S1,S1")), x.redistribute(mesh, P("S1,S1,S1")))
     u = torch.randn(8, 3)
-    with simulated_mesh((2, 2)) as mesh:
+    with named_mesh((2, 2)) as mesh:
         from torch.distributed.tensor import distribute_tensor
 
         y = distribute_tensor(u, mesh, P("SS0x2,S0"))
@@ -85,8 +82,8 @@ def test_uneven_3d_transpose_and_strided_source():
 
 def test_replicate_to_partial_is_local_and_sums_back():
     t = torch.randn(5, 3)
-    with simulated_mesh((2, 2)) as mesh:
-        x = _dtensor(mesh, t, P("R,S0"))
+    with named_mesh((2, 2)) as mesh:
+        x = placed_dtensor(mesh, t, P("R,S0"))
         y = redistribute(x, P("P(sum),S1"))
         assert torch.allclose(reassemble(local_values(y), y.placements, mesh.mesh, (5, 3)), t)
 
@@ -94,13 +91,13 @@ def test_replicate_to_partial_is_local_and_sums_back():
 def test_autograd_backward_is_the_reverse_redistribution():
     t = torch.randn(6, 5)
     w = torch.randn(6, 5)
-    with simulated_mesh((2, 2)) as mesh:
-        x = _dtensor(mesh, t, P("S0,S1")).requires_grad_()
-        weight = _dtensor(mesh, w, P("S1,S0"))
+    with named_mesh((2, 2)) as mesh:
+        x = placed_dtensor(mesh, t, P("S0,S1")).requires_grad_()
+        weight = placed_dtensor(mesh, w, P("S1,S0"))
         (redistribute(x, P("S1,S0")) * weight).sum().backward()
         assert x.grad.placements == (Shard(0), Shard(1))
         got = reassemble(local_values(x.grad), x.grad.placements, mesh.mesh, (6, 5))
-        p = _dtensor(mesh, t, P("P(sum),R")).requires_grad_()
+        p = placed_dtensor(mesh, t, P("P(sum),R")).requires_grad_()
         redistribute(p, P("S0,R")).sum().backward()
         assert p.grad.placements == (Replicate(), Replicate())
     assert torch.allclose(got, w)
@@ -110,8 +107,8 @@ def test_autograd_backward_is_the_reverse_redistribution():
 def test_peak_capped_execution_stays_correct():
     t = torch.randn(8, 8)
     cap = 8 * 8 * 4 // 2
-    with simulated_mesh((2, 2)) as mesh:
-        x = _dtensor(mesh, t, P("P(sum),S0"))
+    with named_mesh((2, 2)) as mesh:
+        x = placed_dtensor(mesh, t, P("P(sum),S0"))
         y = redistribute(x, P("S0,S1"), max_peak_bytes=cap)
         assert _same(y, x.redistribute(mesh, P("S0,S1")))
     assert plan((8, 8), (2, 2), P("P(sum),S0"), P("S0,S1"), max_peak_bytes=cap).peak_bytes <= cap
@@ -120,8 +117,8 @@ def test_peak_capped_execution_stays_correct():
 def test_avg_and_min_partials_reduce_like_dtensor():
     t = torch.randn(5, 6)
     for src, dst in (("P(avg),S1", "S0,R"), ("P(min),P(min)", "R,S1"), ("S0,P(avg)", "R,R")):
-        with simulated_mesh((2, 2)) as mesh:
-            x = _dtensor(mesh, t, P(src))
+        with named_mesh((2, 2)) as mesh:
+            x = placed_dtensor(mesh, t, P(src))
             ours = redistribute(x, P(dst))
             assert _same(ours, x.redistribute(mesh, P(dst))), (src, dst)
             assert torch.allclose(reassemble(local_values(ours), P(dst), mesh.mesh, (5, 6)), t, atol=1e-5)
@@ -133,6 +130,25 @@ def test_reduce_exchange_merges_pieces_where_they_are_needed():
     chosen = plan(shape, (2, 2, 2), P("P(sum),S0,S1"), P("S1,S0,R"), objective="bytes")
     assert [s.kind for s in chosen.steps] == ["reduce_exchange"]
     t = torch.randn(shape)
-    with simulated_mesh((2, 2, 2)) as mesh:
-        x = _dtensor(mesh, t, P("P(sum),S0,S1"))
+    with named_mesh((2, 2, 2)) as mesh:
+        x = placed_dtensor(mesh, t, P("P(sum),S0,S1"))
         assert _same(redistribute(x, P("S1,S0,R"), objective="bytes"), x.redistribute(mesh, P("S1,S0,R")))
+
+
+def test_backward_keeps_partial_gradients_and_drops_the_forward_peak_cap():
+    t = torch.randn(64, 64)
+    with named_mesh((2, 2)) as mesh:
+        # DTensor keeps a Partial gradient Partial: P(sum),R -> P(sum),S1 moves nothing
+        x = placed_dtensor(mesh, t, P("P(sum),S1")).requires_grad_()
+        y = redistribute(x, P("P(sum),R"))
+        recorder = CollectiveRecorder()
+        with recorder:
+            (grad,) = torch.autograd.grad(y, x, placed_dtensor(mesh, t, P("P(sum),R")))
+        assert grad.placements == P("P(sum),S1") and recorder.calls == []
+        # a cap that fits the forward's layouts (S0,S0 -> S0,S1) is not applied to the gradient's way back
+        cap = 64 * 64 * 4 // 4
+        a = placed_dtensor(mesh, t, P("S0,S0")).requires_grad_()
+        b = redistribute(a, P("S0,S1"), max_peak_bytes=cap)
+        (grad,) = torch.autograd.grad(b, a, placed_dtensor(mesh, t, P("R,R")))
+        assert grad.placements == P("S0,S0")
+        assert torch.allclose(reassemble(local_values(grad), P("S0,S0"), mesh.mesh, (64, 64)), t)

@@ -1,8 +1,10 @@
 import json
+import math
 
 import pytest
 from expecttest import assert_expected_inline
 from hypothesis import given, note
+from hypothesis import strategies as st
 
 from dtensor_ext._compat import Partial, Replicate, Shard
 from dtensor_ext.redistribute import (
@@ -17,6 +19,8 @@ from dtensor_ext.redistribute import (
 )
 
 from dtensor_ext.redistribute.measure import DTensorRedistributeFailed
+from dtensor_ext.redistribute.planners import DEFAULT_BUDGET, OBJECTIVES
+from dtensor_ext.testing.strategies import placements_for, shapes
 from tests.redistribute.strategies import execution_requests
 
 KiB = 1024
@@ -200,3 +204,49 @@ def test_cli_prints_the_three_planners_and_writes_pictures(tmp_path, capsys):
         main(["plan", "--shape", "16,16", "--mesh", "2,2", "--src", "S0,X", "--dst", "S1,S0"])
     with pytest.raises(ValueError, match=r"--mesh '2,x': expected comma-separated positive integers"):
         main(["plan", "--shape", "16,16", "--mesh", "2,x", "--src", "S0", "--dst", "S1"])
+
+
+# The issue's cases that ran for 97 s, 266 s and forever before the search had a budget.
+HARD = [
+    ((16, 16, 8, 8), (4, 4, 2, 2), "S0,S1,S2,S3", "S3,S2,S1,S0", "time"),
+    ((16, 16, 16), (2, 2, 2, 2), "S0,R,S2,R", "S2,S2,R,P(sum)", "bytes"),
+    ((8,), (1, 4), "P(sum),R", "R,R", "time"),
+    ((8,), (1, 4), "P(sum),R", "R,R", "bytes"),
+]
+
+
+def _work_allowed(mesh_shape) -> int:
+    """The budget, plus the incumbents (a few steps, each at most world^2 pairs and two layouts) and one step's
+    overshoot: a bound in counted work, independent of the machine's load."""
+    world = math.prod(mesh_shape)
+    return DEFAULT_BUDGET + (2 * len(mesh_shape) + 3) * (world * world + 2 * world)
+
+
+@pytest.mark.parametrize("shape, mesh, src, dst, objective", HARD)
+def test_hard_cases_plan_within_the_budget(shape, mesh, src, dst, objective):
+    best = plan(shape, mesh, P(src), P(dst), objective=objective)
+    assert best.work <= _work_allowed(mesh)
+    bound = lower_bound(shape, mesh, P(src), P(dst))
+    assert best.max_recv_bytes <= plan(shape, mesh, P(src), P(dst), planner="naive").max_recv_bytes
+    if mesh == (1, 4):  # a Partial on a size-1 mesh dim is the full value: nothing moves
+        assert best.max_recv_bytes == bound.max_recv_bytes == 0 and [s.kind for s in best.steps] == ["local"]
+
+
+@st.composite
+def any_requests(draw):
+    """Meshes 1-D to 4-D up to 64 ranks (size-1 dims included), any placements, both objectives."""
+    mesh_shape = draw(st.sampled_from([(4,), (1, 4), (2, 4), (2, 2, 2), (4, 4, 2), (2, 1, 2, 2), (4, 4, 2, 2)]))
+    shape = draw(shapes(min_dims=1, max_dims=4, min_size=0, max_size=9))
+    reduce_op = draw(st.sampled_from(["sum", "max"]))
+    src = draw(placements_for(len(shape), len(mesh_shape), partial=(reduce_op,)))
+    dst = draw(placements_for(len(shape), len(mesh_shape), partial=(reduce_op,)))
+    dst = tuple(q if not isinstance(q, Partial) or q == p or isinstance(p, Replicate) else p for p, q in zip(src, dst))
+    return shape, mesh_shape, src, dst, draw(st.sampled_from(OBJECTIVES))
+
+
+@given(any_requests())
+def test_planning_effort_is_bounded_for_any_request(request):
+    shape, mesh_shape, src, dst, objective = request
+    best = plan(shape, mesh_shape, src, dst, objective=objective)
+    assert best.work <= _work_allowed(mesh_shape)
+    assert (best.steps[-1].after if best.steps else src) == dst

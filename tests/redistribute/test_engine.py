@@ -1,0 +1,148 @@
+"""install(planner=True): DTensor's own redistribution runs the planner's plans, with DTensor's autograd."""
+
+import torch
+import torch.distributed as dist
+from hypothesis import event, given, note
+from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+import dtensor_ext
+from dtensor_ext import _compat
+from dtensor_ext._compat import Partial, Replicate, Shard, enabled_local_tensor_mode
+from dtensor_ext.redistribute import engine, parse_placements, plan
+from dtensor_ext.redistribute.measure import CollectiveRecorder
+from dtensor_ext.testing import simulated_mesh
+from dtensor_ext.testing.strategies import placements_for, shapes
+from tests.redistribute.strategies import placed_dtensor
+
+P = parse_placements
+
+
+def _named(mesh_shape):
+    return simulated_mesh(mesh_shape, mesh_dim_names=tuple(f"d{i}" for i in range(len(mesh_shape))))
+
+
+def _run(mesh, t, g, src, dst):
+    """Forward locals, output placements, gradient locals and gradient placements of x.redistribute(dst)."""
+    x = placed_dtensor(mesh, t, src).detach().requires_grad_()
+    y = x.redistribute(mesh, dst)
+    (grad,) = torch.autograd.grad(y, x, placed_dtensor(mesh, g, dst))
+    return _values(y), y.placements, _values(grad), grad.placements
+
+
+def _values(t: DTensor) -> dict[int, torch.Tensor]:
+    """rank -> local tensor (LocalTensorMode keeps a plain tensor where every rank's is the same, e.g. empty)."""
+    values = _compat.local_tensor_values(t._local_tensor)
+    return values if values is not None else {r: t._local_tensor for r in enabled_local_tensor_mode().ranks}
+
+
+@st.composite
+def requests(draw):
+    mesh_shape = draw(st.sampled_from([(2,), (3,), (1, 4), (2, 2), (2, 1, 2), (2, 2, 2), (2, 1, 2, 2)]))
+    shape = draw(shapes(min_dims=1, max_dims=3, min_size=0, max_size=5))  # empty and uneven shards included
+    reduce_op = draw(st.sampled_from(["sum", "avg", "max", "min"]))
+    src = draw(placements_for(len(shape), len(mesh_shape), partial=(reduce_op,)))
+    dst = draw(placements_for(len(shape), len(mesh_shape), partial=(reduce_op,)))
+    # an explicit redistribute may keep a Partial but not make one
+    dst = tuple(p if isinstance(q, Partial) or isinstance(p, Partial) and draw(st.booleans()) else q for p, q in zip(src, dst))
+    return mesh_shape, shape, src, dst
+
+
+@given(requests())
+def test_planner_engine_matches_dtensor_forward_and_backward(request):
+    mesh_shape, shape, src, dst = request
+    t, g = torch.randn(shape), torch.randn(shape)
+    with _named(mesh_shape) as mesh:
+        try:
+            theirs = _run(mesh, t, g, src, dst)
+        except (RuntimeError, ValueError, AssertionError) as exc:  # torch refuses some moves; nothing to compare
+            note(f"torch failed: {exc}")
+            event("torch refused the move")
+            return
+        engine.enable()
+        try:
+            ours = _run(mesh, t, g, src, dst)
+        finally:
+            engine.disable()
+    (y1, p1, g1, q1), (y2, p2, g2, q2) = theirs, ours
+    assert p1 == p2 and q1 == q2
+    for r in y1:
+        assert torch.allclose(y1[r], y2[r], atol=1e-5) and torch.allclose(g1[r], g2[r], atol=1e-5)
+
+
+def test_install_routes_explicit_redistribute_full_tensor_and_dispatch_and_uninstall_restores_torch(monkeypatch):
+    ran = []
+    execute_local = engine.execute_local
+    monkeypatch.setattr(engine, "execute_local", lambda local, mesh, plan: ran.append(plan) or execute_local(local, mesh, plan))
+    t = torch.randn(64, 48)
+    dtensor_ext.install(planner=True)
+    try:
+        assert engine.is_enabled()
+        with _named((2, 2, 2)) as mesh:
+            x = distribute_tensor(t, mesh, P("S0,S0,S0"))
+            y = x.redistribute(mesh, P("S1,S1,S1"))  # explicit
+            full = y.full_tensor()  # full_tensor
+            z = x + y  # dispatch moves one operand to the other's layout
+            assert torch.allclose(full, t) and torch.allclose(z.full_tensor(), 2 * t)
+    finally:
+        dtensor_ext.uninstall()
+    moves = [(p.src, p.dst) for p in ran]
+    assert moves[:2] == [(P("S0,S0,S0"), P("S1,S1,S1")), (P("S1,S1,S1"), P("R,R,R"))]
+    assert {P("S0,S0,S0"), P("S1,S1,S1")} == set(moves[2])
+    assert ran[0] == plan((64, 48), (2, 2, 2), P("S0,S0,S0"), P("S1,S1,S1"))  # the planner's own plan ran
+    try:
+        assert not engine.is_enabled()
+        assert not any(hasattr(f, "replaced") for f in _compat.redistribute_local_tensor_functions().values())
+    finally:
+        dtensor_ext.install()  # as importing the package left it
+
+
+def test_sub_mesh_step_runs_on_that_mesh_dims_group_not_the_world():
+    t = torch.randn(6, 4)
+    engine.enable()
+    try:
+        with _named((2, 2)) as mesh:
+            tp = mesh["d1"]
+            recorder = CollectiveRecorder()
+            x = distribute_tensor(t, tp, P("S0"))
+            with recorder:
+                y = x.redistribute(tp, P("S1"))
+            group_ranks = {tuple(dist.get_process_group_ranks(_compat.process_group_of(c[1]))) for c in recorder.calls}
+            assert group_ranks == {(0, 1)}  # rank 0's view; every simulated rank ran on its own tp group
+            assert torch.allclose(y.full_tensor(), t)
+            # a Partial gradient stays Partial, as DTensor keeps it: nothing moves for P(sum),S1 -> P(sum),R
+            a = placed_dtensor(mesh, t, P("P(sum),S1")).detach().requires_grad_()
+            with recorder:
+                b = a.redistribute(mesh, P("P(sum),R"))
+            (grad,) = torch.autograd.grad(b, a, placed_dtensor(mesh, torch.ones(6, 4), P("P(sum),R")))
+            assert grad.placements == P("P(sum),S1")
+    finally:
+        engine.disable()
+
+
+def test_partial_on_a_size_one_mesh_dim_is_complete_already():
+    t = torch.randn(8)
+    engine.enable()
+    try:
+        with _named((1, 4)) as mesh:
+            x = placed_dtensor(mesh, t, P("P(sum),R"))
+            recorder = CollectiveRecorder()
+            with recorder:
+                y = x.redistribute(mesh, P("R,R"))
+        assert recorder.calls == [] and torch.allclose(y.full_tensor(), t)
+    finally:
+        engine.disable()
+
+
+def test_a_step_on_one_mesh_dim_runs_in_every_group_of_that_dim():
+    """Each rank reads its pieces in its own group's order (ranks 2 and 3 form the second d1 group)."""
+    t = torch.randn(4, 6)
+    with _named((2, 2)) as mesh:
+        x = distribute_tensor(t, mesh, P("S0,S1"))
+        theirs = _values(x.redistribute(mesh, P("S0,R")))
+        engine.enable()
+        try:
+            ours = _values(x.redistribute(mesh, P("S0,R")))
+        finally:
+            engine.disable()
+    assert all(torch.equal(ours[r], theirs[r]) for r in theirs)
