@@ -78,6 +78,8 @@ def mean_as_scaled_sum(op_call, args, kwargs):
     """torch's `mean` keeps Partial(avg) for even shards (no communication) and gathers uneven ones; there the
     local sum over the global count is exact."""
     self = args[0]
+    if self.ndim == 0:  # nothing to shard (and dim -1 / 0 names the tensor itself)
+        return generic_dispatch(op_call, args, kwargs)
     dims = args[1] if op_call is aten.mean.dim and len(args) > 1 else kwargs.get("dim")
     dims = range(self.ndim) if dims is None or dims == [] else [d % self.ndim for d in dims]
     if not _unevenly_sharded_on(self, dims):

@@ -88,3 +88,24 @@ def test_mean_losses_run_locally_with_the_one_device_result(name, rows, mesh_sha
     assert forward <= VALIDATION_COLLECTIVES.get(name, 0) * len(mesh_shape)  # one per mesh dim
     if rows >= world or name not in DECOMPOSED:
         assert backward == 0
+
+
+@pytest.mark.parametrize("reduce", [
+    lambda x: x.mean(), lambda x: x.mean(0), lambda x: x.mean((0, 1), keepdim=True), lambda x: x.mean(-1),
+    lambda x: x.mean(dtype=torch.float64),
+], ids=["all", "dim0", "dims-keepdim", "unsharded-dim", "dtype"])
+@pytest.mark.parametrize("rows", [5, 3])
+def test_mean_of_an_uneven_shard_is_local(reduce, rows):
+    x = torch.randn(rows, 3, generator=torch.Generator().manual_seed(rows))
+    with simulated_mesh((2, 2)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+        with CommDebugMode() as comms:
+            out = reduce(dx)
+        torch.testing.assert_close(out.full_tensor(), reduce(x))
+        assert comms.get_total_counts() == 0
+
+
+def test_mean_of_a_0d_dtensor():
+    with simulated_mesh((2,)) as mesh:
+        x = distribute_tensor(torch.tensor(2.5), mesh, [torch.distributed.tensor.Replicate()])
+        assert x.mean().full_tensor() == 2.5 and x.mean(-1).full_tensor() == 2.5
