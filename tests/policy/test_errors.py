@@ -138,8 +138,8 @@ def test_non_contiguous_recompute_group(error):
     plans = lambda nodes: [OpPlan(nodes[0], recompute_id=0), OpPlan(nodes[1], recompute_id=1),  # noqa: E731
                            OpPlan(nodes[2], recompute_id=0)]
     assert error(policy=_policy(plans)) == (
-        "policy op %1 torch.nn.functional.linear in moe.router [self.router(x)]: field 'recompute_id' got 1; expected 0: recompute group 0 spans ops %0..%2, a group "
-        "must be contiguous in execution order")
+        "policy op %1 torch.nn.functional.linear in moe.router [self.router(x)]: field 'recompute_id' got 1; "
+        "expected 0: recompute group 0 spans ops %0..%2, a group must be contiguous in execution order")
 
 
 def test_recompute_group_splitting_a_module(error):
@@ -214,9 +214,9 @@ def test_sequence_parallel_norm_on_replicated_input(mesh_1d2):
         build_plan(MLP(), mesh_1d2, (torch.randn(3, 5, 8),),
                    constraints='- name: torch.nn.functional.layer_norm\n  allowed_partition_dims: ["0,1"]\n')
     assert str(info.value) == (
-        "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [self.norm(x)]: field 'partition' got '0,1'; expected a sequence-parallel norm "
-        "whose input is sequence-sharded; shard the op producing its input (e.g. the embedding as '1,0') or do not "
-        "partition this norm")
+        "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [self.norm(x)]: field 'partition' got "
+        "'0,1'; expected a sequence-parallel norm whose input is sequence-sharded; shard the op producing its input "
+        "(e.g. the embedding as '1,0') or do not partition this norm")
 
 
 class _Classifier(torch.nn.Module):
