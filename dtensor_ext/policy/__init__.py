@@ -16,9 +16,10 @@ from dtensor_ext.policy.opplan import (
     get_layer_index,
     get_pas_ops,
 )
+from dtensor_ext.policy.styles import PlanWarning
 
 __all__ = [
-    "Constraint", "GraphView", "OpNode", "OpPartition", "OpPlan", "Plan", "PolicyConfig", "PolicyError",
+    "Constraint", "GraphView", "OpNode", "OpPartition", "OpPlan", "Plan", "PlanWarning", "PolicyConfig", "PolicyError",
     "build_plan", "get_called_self_module_name", "get_layer_index", "get_pas_ops", "load_constraints",
     "parallelize",
 ]

@@ -8,15 +8,16 @@ import warnings
 import pytest
 import torch
 
+from dtensor_ext.models import MLP, MoEModel
 from dtensor_ext.policy import (
     OpPartition,
     OpPlan,
+    PlanWarning,
     PolicyError,
     build_plan,
     get_called_self_module_name,
     get_layer_index,
 )
-from dtensor_ext.models import MLP, MoEModel
 
 SUM_OP = "%9 torch.sum in moe [torch.sum(expert_out * gates.t().unsqueeze(-1), dim=0)]"
 PROJ_OP = "%0 torch.nn.functional.linear in proj [self.proj(x)]"
@@ -137,8 +138,8 @@ def test_non_contiguous_recompute_group(error):
     plans = lambda nodes: [OpPlan(nodes[0], recompute_id=0), OpPlan(nodes[1], recompute_id=1),  # noqa: E731
                            OpPlan(nodes[2], recompute_id=0)]
     assert error(policy=_policy(plans)) == (
-        "policy op %1 torch.nn.functional.linear in moe.router [self.router(x)]: field 'recompute_id' got 1; expected 0: recompute group 0 spans ops %0..%2, a group "
-        "must be contiguous in execution order")
+        "policy op %1 torch.nn.functional.linear in moe.router [self.router(x)]: field 'recompute_id' got 1; "
+        "expected 0: recompute group 0 spans ops %0..%2, a group must be contiguous in execution order")
 
 
 def test_recompute_group_splitting_a_module(error):
@@ -213,9 +214,9 @@ def test_sequence_parallel_norm_on_replicated_input(mesh_1d2):
         build_plan(MLP(), mesh_1d2, (torch.randn(3, 5, 8),),
                    constraints='- name: torch.nn.functional.layer_norm\n  allowed_partition_dims: ["0,1"]\n')
     assert str(info.value) == (
-        "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [self.norm(x)]: field 'partition' got '0,1'; expected a sequence-parallel norm "
-        "whose input is sequence-sharded; shard the op producing its input (e.g. the embedding as '1,0') or do not "
-        "partition this norm")
+        "<yaml> entry 0 (line 1) for %0 torch.nn.functional.layer_norm in norm [self.norm(x)]: field 'partition' got "
+        "'0,1'; expected a sequence-parallel norm whose input is sequence-sharded; shard the op producing its input "
+        "(e.g. the embedding as '1,0') or do not partition this norm")
 
 
 class _Classifier(torch.nn.Module):
@@ -236,3 +237,16 @@ def test_loss_parallel_needs_column_parallel_logits(mesh_1d2):
         "<yaml> entry 0 (line 1): field 'allowed_partition_dims' got '0,-1'; expected a loss whose logits come from "
         "a column-parallel linear (loss parallelism): %1 torch.nn.functional.cross_entropy in <root> "
         "[torch.nn.functional.cross_entropy(self.head(x), target)] reads none")
+
+
+def test_avoidable_gather_warns_and_strict_refuses(mesh_1d2):
+    column_only = '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0"]\n'
+    expected = ("up: ColwiseParallel output is all-gathered because the linear(s) it feeds are not row-parallel: "
+                "down (column-parallel); allowing '1,1' (RowwiseParallel) there keeps it sharded")
+    with pytest.warns(PlanWarning) as record:
+        plan = build_plan(MLP(), mesh_1d2, (torch.randn(3, 5, 8),), constraints=column_only)
+    assert [str(w.message) for w in record] == [expected]
+    assert str(plan.module_styles["up"]) == "ColwiseParallel(output_layouts=Replicate())"
+    with pytest.raises(PolicyError) as info:
+        build_plan(MLP(), mesh_1d2, (torch.randn(3, 5, 8),), constraints=column_only, strict=True)
+    assert str(info.value) == f"<yaml> entry 0 (line 1): field 'allowed_partition_dims' got 'up'; expected {expected}"

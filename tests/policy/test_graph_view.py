@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dtensor_ext.policy import build_plan
+from dtensor_ext.policy import build_plan, get_called_self_module_name
 from dtensor_ext.policy.graph_view import trace_graph
+from dtensor_ext.testing import simulated_mesh
 
 
 @torch.library.custom_op("dtensor_ext_policy_test::scale", mutates_args=())
@@ -60,3 +61,32 @@ def test_constraints_match_custom_and_aten_names(mesh_1d2):
         "dtensor_ext_policy_test::scale #0 in inner: allowed [0,1], replica_allowed=True  [<yaml> entry 0 (line 1)]",
         "aten::sum.dim_IntList #0 in inner: allowed [0,0], replica_allowed=True  [<yaml> entry 1 (line 3)]",
     ]
+
+
+class OneLineMLP(nn.Module):
+    """Hugging Face's LlamaMLP shape: three linears in one line, with no-op ops returning their input."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.down_proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x).contiguous().to(x.dtype))
+
+
+def test_call_expr_is_the_exact_call_and_no_op_returns_keep_the_dataflow():
+    model, x = OneLineMLP(), torch.randn(2, 8)  # built outside the simulated mesh: inside, weights are per rank
+    graph = trace_graph(model, (x,))
+    linears = [n for n in graph if n.signature == "torch.nn.functional.linear"]
+    assert [(n.fqn, n.call_expr, get_called_self_module_name(n.call_expr)) for n in linears] == [
+        ("gate_proj", "self.gate_proj(x)", "gate_proj"),
+        ("up_proj", "self.up_proj(x)", "up_proj"),
+        ("down_proj", "self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x).contiguous().to("
+                      "x.dtype))", "down_proj"),
+    ]
+    with simulated_mesh((2,)) as mesh:
+        plan = build_plan(model, mesh, (x,), strict=True,
+                          constraints='- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0", "1,1"]\n')
+    assert {k: str(v) for k, v in plan.module_styles.items()} == {
+        "gate_proj": "ColwiseParallel()", "up_proj": "ColwiseParallel()", "down_proj": "RowwiseParallel()"}
