@@ -48,7 +48,19 @@ def _embedding(op_call, args, kwargs):
     return _compat.wrap_local_results(local, sharding.output_spec)
 
 
-_MASKING_STRATEGY = "embedding_strategy"  # torch 2.13's single-dim rule, rowwise rows masked per mesh dim
+def _masks_rows_it_cannot(op) -> bool:
+    """Feature check: whether torch's propagation keeps a weight's rows sharded (a masked Partial output) where
+    masking fails: [4, 2] rows sharded on both dims of a 2x2 probe mesh, or 1 row over 2 ranks (an empty shard)."""
+    ids = _compat.probe_spec(torch.zeros(2, dtype=torch.long), (Replicate(),) * 2, (2, 2))
+    twice = _compat.probe_spec(torch.zeros(4, 2), (Shard(0), Shard(0)), (2, 2))
+    if _masked(_compat.output_placements(op, (twice, ids))) == 2:
+        return True
+    ids = _compat.probe_spec(torch.zeros(2, dtype=torch.long), (Replicate(),))
+    return _masked(_compat.output_placements(op, (_compat.probe_spec(torch.zeros(1, 2), (Shard(0),)), ids))) == 1
+
+
+def _masked(placements: tuple | None) -> int:
+    return sum(p.is_partial() for p in placements or ())
 
 
 @torch_fix(
@@ -59,7 +71,6 @@ _MASKING_STRATEGY = "embedding_strategy"  # torch 2.13's single-dim rule, rowwis
 )
 def fix_embedding_rows():
     op = aten.embedding.default
-    rule = _compat.single_dim_func(op)
-    if _compat.custom_op_handler(op) is not None or getattr(rule, "__name__", None) != _MASKING_STRATEGY:
+    if _compat.custom_op_handler(op) is not None or not _masks_rows_it_cannot(op):
         return None
     return swap_handlers({op: _embedding})

@@ -14,7 +14,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Partial, Replicate, ShardingPlaceholder
-from dtensor_ext.torch_fixes import replace_rule, torch_fix, undo_all
+from dtensor_ext.torch_fixes import applied_to, replace_rule, torch_fix, undo_all
 
 aten = torch.ops.aten
 
@@ -36,18 +36,11 @@ def empty_like_rule(op, args_meta, kwargs_meta):
     return _same_on_both_sides(self_meta, _FILL_SAFE_REDUCTIONS) + [[Replicate(), Partial("sum")]]
 
 
-_IDENTITY_STRATEGY = "propagate_single_input_strategy"  # torch 2.13's clone/detach strategy, placements in = out
-
-
 def _keeps_partial_sum(op) -> bool:
-    """Whether torch maps a Partial(sum) input of `op` (filled with 1.0) to a Partial(sum) output."""
-    if _compat.strategy_function_name(op) == _IDENTITY_STRATEGY:
-        return True
-    torch_rule = _compat.single_dim_func(op)
-    if torch_rule is None:
-        return False
-    rows = torch_rule(op, (_compat.tensor_meta(torch.zeros(2)), 1.0), {})
-    return [Partial("sum"), Partial("sum")] in [list(row) for row in rows]
+    """Feature check: whether torch's propagation maps a Partial(sum) [2] tensor (filled with 1.0 for `fill_`) on a
+    2-rank probe mesh to a Partial(sum) output."""
+    x = _compat.probe_spec(torch.zeros(2), (Partial("sum"),))
+    return _compat.output_placements(op, (x, 1.0) if op is aten.fill_.Scalar else (x,)) == (Partial("sum"),)
 
 
 @torch_fix(
@@ -64,4 +57,4 @@ def fix_partial_fill():
         return None
     faulty = [op for op in fixes if _keeps_partial_sum(op)]
     undos = [replace_rule(op, fixes[op][0], schema_info=fixes[op][1]) for op in faulty]
-    return undo_all(undos)
+    return applied_to(faulty, undo_all(undos))

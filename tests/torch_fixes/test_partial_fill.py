@@ -14,10 +14,15 @@ def _full(t) -> list[torch.Tensor]:
     return list(local_values(t.full_tensor()).values())
 
 
-def test_fill_on_partial_sum_is_wrong_in_torch_and_refused_when_fixed(fix_state):
+def test_fill_on_partial_sum_is_wrong_in_torch_and_refused_when_fixed(fixed_ops, fix_state):
+    """Where the feature check finds no defect, fill_ is not touched and torch alone must be right."""
+    fixed = "aten::fill_.Scalar" in fixed_ops["fill_ keeps Partial(sum)"]
     with simulated_mesh((4,)) as mesh:
         t = place_dtensor(torch.zeros(3), mesh, [Partial("sum")])
-        if fix_state == "torch only":
+        if not fixed:
+            t.fill_(1.0)
+            assert all(torch.equal(v, torch.ones(3)) for v in _full(t))
+        elif fix_state == "torch only":
             t.fill_(1.0)
             assert t.placements == (Partial("sum"),)
             assert all(torch.equal(v, torch.full((3,), 4.0)) for v in _full(t))  # world_size * value
