@@ -3,7 +3,8 @@
 Attention is independent per (batch, head): softmax(q k^T * scale + mask) v never mixes two batch entries or
 two heads, so sharding q, k, v, the output and the logsumexp alike on the batch dim or on the heads dim needs no
 communication (heads only when q and k have as many heads, or, for the even-only CPU kernel, under grouped-query
-attention: query head i reads key head i // (q heads / k heads), so equal even shards keep each group together). The CPU kernel, which runs here, is also proven on two more splits:
+attention: query head i reads key head i // (q heads / k heads), so equal even shards keep each group together).
+The CPU kernel, which runs here, is also proven on two more splits:
 
 * query rows: each query attends to all keys on its own, so q, the output and the logsumexp split along the
   query sequence with k and v whole; in the backward the key and value gradients are then partial sums over

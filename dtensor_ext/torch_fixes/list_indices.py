@@ -59,7 +59,8 @@ def fix_list_indices():
         return torch.Tensor.__getitem__(self, _with_replicated_lists(self, index))
 
     def setitem(self, index, value):
-        return torch.Tensor.__setitem__(self, _with_replicated_lists(self, index), _replicated_if_rank_data(self, value))
+        value = _replicated_if_rank_data(self, value)
+        return torch.Tensor.__setitem__(self, _with_replicated_lists(self, index), value)
 
     DTensor.__getitem__, DTensor.__setitem__ = getitem, setitem
 

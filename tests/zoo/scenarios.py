@@ -54,7 +54,8 @@ class Step:
         """Token ids, padded labels, positions, and for eager attention a 4-D additive causal mask (HF takes a 4-D
         mask as given; the one it builds itself is a plain tensor, which cannot meet DTensor activations)."""
         input_ids, labels = sample_batch(self.batch, self.seq)
-        inputs = {"input_ids": input_ids, "labels": labels, "position_ids": torch.arange(self.seq).repeat(self.batch, 1)}
+        positions = torch.arange(self.seq).repeat(self.batch, 1)
+        inputs = {"input_ids": input_ids, "labels": labels, "position_ids": positions}
         if self.attention == "eager" or self.explicit_mask:
             blocked = torch.ones(self.seq, self.seq, dtype=torch.bool).triu(1)
             mask = torch.zeros(self.seq, self.seq, dtype=self.dtype).masked_fill(blocked, torch.finfo(self.dtype).min)
