@@ -481,10 +481,49 @@ def set_custom_op_handler(op: OpOverload, handler: Callable | None) -> Callable 
     return previous
 
 
-def handler_applies_redistribution(handler: Callable) -> bool:
-    """Whether a custom handler carries out the input redistribution its propagation chose (feature check)."""
-    code = getattr(handler, "__code__", None)
-    return code is not None and "redistribute_local_args" in code.co_names
+def conv_handler_applies_redistribution(op: OpOverload, handler: Callable) -> bool:
+    """Whether a convolution dispatch handler moves its inputs as its propagation chose before computing (feature
+    check: `handler` runs a conv1d of a replicated [1, 1, 3] input with a Partial(sum) [1, 1, 1] weight, which
+    torch's conv rule must move, on a 2-rank probe mesh; the probe stops at whichever comes first, DTensor's
+    redistribution of the local args or torch's local conv kernel)."""
+    from torch.distributed.tensor import _tp_conv
+
+    class Redistributed(Exception):
+        pass
+
+    class Computed(Exception):
+        pass
+
+    def stop(outcome: type[Exception]) -> Callable:
+        def raise_outcome(*args, **kwargs):
+            raise outcome
+
+        return raise_outcome
+
+    mesh = probe_mesh((2,))
+    with outside_simulated_ranks():
+        x, weight, grad = (DTensor.from_local(torch.ones(shape), mesh, [p], run_check=False)
+                           for shape, p in (((1, 1, 3), Replicate()), ((1, 1, 1), Partial()), ((1, 1, 3), Replicate())))
+    conv_args = (None, [1], [0], [1], False, [0], 1)
+    args = (x, weight, *conv_args) if op is torch.ops.aten.convolution.default else (grad, x, weight, *conv_args,
+                                                                                      [True, True, False])
+    dispatcher = DTensor._op_dispatcher
+    kernels = {name: getattr(_tp_conv, name) for name in ("tp_convolution", "tp_convolution_backward")}
+    dispatcher.redistribute_local_args = stop(Redistributed)
+    for name in kernels:
+        setattr(_tp_conv, name, stop(Computed))
+    try:
+        with outside_simulated_ranks():
+            handler(op, args, {})
+    except Redistributed:
+        return True
+    except Computed:
+        return False
+    finally:
+        del dispatcher.redistribute_local_args
+        for name, kernel in kernels.items():
+            setattr(_tp_conv, name, kernel)
+    return True  # it computed some other way, never on the unmoved pieces
 
 
 def propagate_and_redistribute(op_call: OpOverload, args: tuple, kwargs: dict) -> tuple[Any, Any, OpSchema]:
@@ -701,7 +740,8 @@ def inplace_placement_refusal() -> bool:
     (its N-D expansion drops the candidate that moves the source to the layout with the empty shard). Feature
     check: `self.copy_(src)`, [1, 2] tensors, `self` Shard(0) on a 2-rank probe mesh, `src` replicated."""
     self_, src = torch.zeros(1, 2), torch.zeros(1, 2)
-    return not propagates(torch.ops.aten.copy_.default, (probe_spec(self_, (Shard(0),)), probe_spec(src, (Replicate(),))))
+    args = (probe_spec(self_, (Shard(0),)), probe_spec(src, (Replicate(),)))
+    return not propagates(torch.ops.aten.copy_.default, args)
 
 
 def rank_results_combiner() -> Callable:

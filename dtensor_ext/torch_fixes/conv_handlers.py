@@ -14,7 +14,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate
-from dtensor_ext.torch_fixes import swap_handlers, torch_fix
+from dtensor_ext.torch_fixes import applied_to, swap_handlers, torch_fix
 
 aten = torch.ops.aten
 
@@ -60,8 +60,8 @@ def fix_convolution_handlers():
     faulty = [
         op for op in ours
         if (handler := _compat.custom_op_handler(op)) is not None
-        and not _compat.handler_applies_redistribution(handler)
+        and not _compat.conv_handler_applies_redistribution(op, handler)
     ]
     if not faulty:
         return None
-    return swap_handlers({op: ours[op] for op in faulty})
+    return applied_to(faulty, swap_handlers({op: ours[op] for op in faulty}))

@@ -24,7 +24,8 @@ def _ignores_positional_keepdim(op) -> bool:
     """Feature check: torch's placements for logsumexp(x, [0], True) of a [2, 2] `x` placed Shard(1) on a 2-rank
     probe mesh differ from those for the same call with keepdim=True passed by keyword."""
     x = _compat.probe_spec(torch.zeros(2, 2), (Shard(1),))
-    return _compat.output_placements(op, (x, [0], True)) != _compat.output_placements(op, (x, [0]), {"keepdim": True})
+    keyword = _compat.output_placements(op, (x, [0]), {"keepdim": True})
+    return _compat.output_placements(op, (x, [0], True)) != keyword
 
 
 def _keyword_keepdim(args, kwargs):

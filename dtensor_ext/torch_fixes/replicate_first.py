@@ -50,8 +50,9 @@ def replicating_first(torch_strategy: Callable, dims_to_replicate: Callable[[OpS
         if not any(_is_shard_on(p, dims) for s in source.strategies for p in s.output_spec.placements):
             return torch_strategy(op_schema)
         replicated = OpStrategy([OpSpec(_replicated_on(s.output_spec, dims)) for s in source.strategies])
-        result = torch_strategy(OpSchema(op_schema.op, (replicated, *op_schema.args_schema[1:]), op_schema.kwargs_schema,
-                                         schema_info=op_schema.schema_info))
+        schema = OpSchema(op_schema.op, (replicated, *op_schema.args_schema[1:]), op_schema.kwargs_schema,
+                          schema_info=op_schema.schema_info)
+        result = torch_strategy(schema)
         for spec in result.strategies:
             spec.redistribute_cost = [_compat.redistribute_costs(source, spec.input_specs[0])]
         return result
