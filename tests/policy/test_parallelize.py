@@ -213,3 +213,12 @@ def test_stage_split_spec_drives_torch_pipelining():
     pipe = pipeline(model, mb_args=(tokens,), split_spec=plan.split_spec())
     assert pipe.num_stages == 2
     assert next(iter(dict(pipe.get_stage_module(1).named_parameters()))).startswith("layers.1.")
+
+
+def test_dp_other_than_fully_shard_is_refused():
+    model = MoEModel()
+    x = torch.randn(6, 8)
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "ep")) as mesh, pytest.raises(PolicyError) as info:
+        parallelize(model, mesh, (x,), constraints=MOE_YAML, dp="replicate")
+    assert str(info.value) == (
+        "parallelize: field 'dp' got 'replicate'; expected None or 'fully_shard' (torch's FSDP2 on the dp mesh dim)")
