@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -180,8 +181,6 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        import subprocess
-
         cmd = [sys.executable, __file__, *sys.argv[1:], "--port", str(port), "--rank"]
         procs = [subprocess.Popen([*cmd, str(r)]) for r in range(args.world)]
         sys.exit(max(p.wait() for p in procs))

@@ -50,6 +50,7 @@ class SequenceParallelReport:
     bytes_before: int = 0  # per rank, ring algorithms, of the collectives the rewrite touched
     bytes_after: int = 0
     seconds: float = 0.0  # the pass's own runtime
+    guards: list[str] = field(default_factory=list)  # conditions on symbolic token counts the rewrite relies on
 
     def summary(self) -> str:
         pats = ", ".join(f"{p}={self.patterns[p]}" for p in PATTERNS if self.patterns[p])
@@ -58,6 +59,7 @@ class SequenceParallelReport:
             f" ({pats or 'none'}), {self.all_gathers} all_gather inserted"
             + (f", {self.token_sums} token sums all_reduced" if self.token_sums else "")
         ]
+        lines += [f"  guarded: {guard}" for guard in dict.fromkeys(self.guards)]
         lines += [f"  gathered before: {reason}" for reason in self.boundaries]
         lines += [f"  left alone: {reason}" for reason in self.skipped]
         return "\n".join(lines)
@@ -122,6 +124,13 @@ def _sums_over_tokens(node: Node, shard: Node, dims: dict[Node, int]) -> bool:
     return bool(reduced) and dims[shard] in {r % ndim for r in reduced}
 
 
+def _divides(tokens: Any, size: int) -> bool:
+    """Whether the token count divides by the group. For a symbolic count this installs a guard on the example
+    value's answer, so the compiled graph is reused only for counts with the same answer (like a compile per size
+    range) and a count with the other answer recompiles."""
+    return bool(tokens % size == 0) and bool(tokens >= size)
+
+
 def _nbytes(node: Node) -> int:
     """Bytes of a node's value; a symbolic size (dynamic batch) counts at its example value, without a guard."""
     val = node.meta["val"]
@@ -169,26 +178,26 @@ def rewrite_graph(
         if dim is None:
             report.skipped.append(f"{all_reduce.name}: token_dim {token_dim} is not a dim of {wait.meta['val'].shape}")
             continue
-        tokens = wait.meta["val"].shape[dim]
-        if not isinstance(tokens, int):
+        shape = wait.meta["val"].shape
+        tokens = shape[dim]
+        if dim and sum(not isinstance(s, int) for s in shape) > 1:  # the token dim first needs no views
             symbolic.append(all_reduce.name)
             report.skipped.append(
-                f"{all_reduce.name}: symbolic token count {tokens} (dim {dim}); compile with static sequence lengths "
-                "(torch._dynamo.mark_static or dynamic=False) to shard it"
+                f"{all_reduce.name}: more than one symbolic size in {tuple(shape)} (the views around the collectives "
+                "infer one); mark all but one static to shard it"
             )
             continue
-        if tokens % size or tokens < size:
-            report.skipped.append(f"{all_reduce.name}: token dim {dim} of size {tokens} does not divide by {size}")
+        if not _divides(tokens, size):
+            guarded = "" if isinstance(tokens, int) else " (guarded: a size that divides compiles again)"
+            report.skipped.append(f"{all_reduce.name}: token dim {dim} of size {tokens} does not divide by {size}{guarded}")
             continue
-        if sum(not isinstance(s, int) for s in wait.meta["val"].shape) > 1:
-            symbolic.append(all_reduce.name)
-            report.skipped.append(f"{all_reduce.name}: more than one symbolic size in {wait.meta['val'].shape}")
-            continue
+        if not isinstance(tokens, int):
+            report.guards.append(f"{tokens} % {size} == 0")
         seeds[wait] = (all_reduce, dim, size)
     if symbolic:
         warnings.warn(
-            f"sequence_parallel: {len(symbolic)} all_reduce(s) ({', '.join(symbolic)}) have a symbolic token count "
-            "(or more than one symbolic size) and stay all_reduces; mark the sequence dim static to shard them",
+            f"sequence_parallel: {len(symbolic)} all_reduce(s) ({', '.join(symbolic)}) have more than one symbolic "
+            "size and stay all_reduces; mark all sizes but one (the batch or the sequence) static to shard them",
             stacklevel=2,
         )
 

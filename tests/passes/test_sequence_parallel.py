@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -266,14 +268,35 @@ def test_stale_alias_second_reader_sees_the_in_place_update(group):
     )
 
 
-def test_symbolic_token_count_is_reported_loudly(group):
-    """A symbolic sequence length cannot be checked for divisibility: the all_reduce stays and the pass warns."""
+def test_symbolic_token_count_is_rewritten_under_a_guard(group):
+    """A symbolic sequence length is sharded when its example value divides by the group; the shape env then
+    holds that guard, so a length that does not divide compiles again (and is left alone, also under a guard)."""
     partial, ln, w1 = PARTIAL, LN, W1
-    gm = make_fx(lambda p, ln, w1: rms(all_reduce(p, group), ln) @ w1, tracing_mode="symbolic")(partial[0], ln, w1[0])
-    with pytest.warns(UserWarning, match="symbolic token count"):
+
+    def block(p, ln, w1):
+        return rms(all_reduce(p, group), ln) @ w1
+
+    gm = make_fx(block, tracing_mode="symbolic")(partial[0], ln, w1[0])
+    before = run(gm, [partial, ln, w1])
+    report = sequence_parallel(gm).meta["sequence_parallel"]
+    after = run(gm, [partial, ln, w1])
+    for rank in range(WORLD):
+        torch.testing.assert_close(after[0][rank], before[0][rank])
+    assert_expected_inline(re.sub(r"\bs\d+", "s", report.summary()), """\
+sequence_parallel: 1/1 all_reduce -> reduce_scatter (P1=1), 1 all_gather inserted
+  guarded: s % 4 == 0""")
+    shape_env = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[0].node.shape_env
+    assert any("Mod" in str(guard.expr) for guard in shape_env.guards)
+    uneven = make_fx(block, tracing_mode="symbolic")(PARTIAL_6[0], ln, w1[0])
+    assert "does not divide by 4 (guarded" in sequence_parallel(uneven).meta["sequence_parallel"].skipped[0]
+
+
+def test_two_symbolic_sizes_are_reported_loudly(group):
+    """[B, S, H] all symbolic: the views moving S to the front can infer only one size, so the pass warns."""
+    gm = make_fx(lambda p, ln: rms(all_reduce(p, group), ln), tracing_mode="symbolic")(PARTIAL_BSH[0], LN)
+    with pytest.warns(UserWarning, match="more than one symbolic size"):
         report = sequence_parallel(gm).meta["sequence_parallel"]
     assert report.converted == 0
-    assert "symbolic token count" in report.skipped[0]
 
 
 def test_full_token_operand_meeting_a_shard_leaves_graph_untouched(group):

@@ -14,6 +14,7 @@ import torch
 import torch._inductor.config as inductor_config
 from expecttest import assert_expected_inline
 
+from dtensor_ext._compat import size_hint
 from dtensor_ext.passes import install_sequence_parallel, sequence_parallel
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.testing.mesh import active_mode
@@ -93,31 +94,41 @@ def test_compiled_training_on_two_gloo_ranks_matches_one_device():
     assert "max |loss/grad difference| vs one device" in done.stdout
 
 
-def test_dynamic_batch_is_rewritten_and_a_dynamic_token_count_is_reported():
-    """A symbolic batch keeps the rewrite (views infer it); a symbolic sequence length stays all_reduce, loudly.
-    The compiled joint graph before and after the rewrite runs on a simulated 4-rank mesh with B = 3."""
+@pytest.mark.parametrize(("dynamic_dim", "other_size"), [(0, 3), (1, 20)], ids=["batch", "tokens"])
+def test_dynamic_batch_or_token_count_is_rewritten(dynamic_dim, other_size):
+    """A symbolic batch keeps the rewrite (the views around the collectives infer it); a symbolic token count is
+    rewritten under a guard that it divides by the group, and a count that does not compiles again, left alone.
+    The joint graph compiled first runs, before and after the rewrite, on a simulated 4-rank mesh."""
+    torch.compiler.reset()  # no sizes remembered from an earlier compile of the same code (automatic dynamic)
     recorder = RecordingPass(byte_tolerance=0.05)
-    batch = [torch.stack([e, -e, 2 * e]) for e in EMBED]  # [B, T, H] per rank
+    batch = [torch.stack([e, -e]) for e in EMBED]  # [B, T, H] per rank
     params = [LN, W1[0], W2[0], HEAD[0]]
     with simulated_mesh((WORLD,)) as mesh:
         group = mesh.get_group().group_name
         with active_mode().disable(), inductor_config.patch(fx_graph_cache=False, joint_custom_pre_pass=recorder):
-            embed = batch[0][:2].clone().requires_grad_()
-            torch._dynamo.mark_dynamic(embed, 0)
-            torch.compile(lambda *args: tp_loss(*args, group), fullgraph=True)(embed, *params).backward()
-            joint_before, joint_after, report = recorder.before, recorder.after, recorder.reports[-1]
+            loss_fn = torch.compile(lambda *args: tp_loss(*args, group), fullgraph=True)
             embed = batch[0].clone().requires_grad_()
-            torch._dynamo.mark_dynamic(embed, 1)
-            with pytest.warns(UserWarning, match="symbolic token count"):
-                torch.compile(lambda *args: tp_loss(*args, group), fullgraph=True)(embed, *params).backward()
-            assert recorder.reports[-1].converted == 0
+            torch._dynamo.mark_dynamic(embed, dynamic_dim)
+            loss_fn(embed, *params).backward()
+            joint_before, joint_after, report = recorder.before, recorder.after, recorder.reports[-1]
+            if dynamic_dim == 1:  # 18 tokens fail the guard: compiled again, and not divisible by 4
+                uneven = torch.randn(2, 18, H, requires_grad=True)
+                torch._dynamo.mark_dynamic(uneven, 1)
+                torch._dynamo.mark_static(uneven, 0)
+                loss_fn(uneven, *params).backward()
+                assert "does not divide by 4 (guarded" in recorder.reports[-1].skipped[0]
+                assert len(recorder.reports) == 2
         values = iter([batch, LN, W1, W2, HEAD, torch.ones(())])
-        inputs = [3 if isinstance(n.meta["val"], torch.SymInt) else next(values) for n in placeholders(joint_before)]
+        inputs = [  # SymInt placeholders (sizes, strides) take their example values: the shapes compiled first
+            size_hint(n.meta["val"]) if isinstance(n.meta["val"], torch.SymInt) else next(values)
+            for n in placeholders(joint_before)
+        ]
         before, after = run(joint_before, inputs), run(joint_after, inputs)
     for ref, got in zip(before, after):
         for rank in range(WORLD):
             torch.testing.assert_close(got[rank], ref[rank], rtol=1e-5, atol=1e-5)
-    assert_expected_inline(report.summary(), """sequence_parallel: 6/6 all_reduce -> reduce_scatter (P1=4, P3=2), 6 all_gather inserted""")
+    assert report.converted == 6, report.summary()
+    assert ("guarded: s" in report.summary()) == (dynamic_dim == 1)
 
 
 def placeholders(gm):
