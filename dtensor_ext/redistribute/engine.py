@@ -9,6 +9,8 @@ mesh, `Shard -> Partial`, tracing for torch.compile, a rank outside the mesh) go
 
 from __future__ import annotations
 
+import functools
+
 from dtensor_ext import _compat
 from dtensor_ext._compat import Partial, Replicate
 from dtensor_ext.redistribute.executor import execute_local, plan_for
@@ -21,10 +23,12 @@ _options: dict = {}
 
 
 def enable(**plan_options) -> None:
-    """Route DTensor's redistribution through the planner (`plan_options` as for `plan`, e.g. objective="bytes")."""
+    """Route DTensor's redistribution through the planner (`plan_options` as for `plan`). The objective defaults
+    to bytes (ties broken by modelled time): the time model's latency terms can trade bytes for fewer messages on
+    small tensors, which is not what a user turning the planner on asks for."""
     disable()
     _options.clear()
-    _options.update(plan_options)
+    _options.update({"objective": "bytes", **plan_options})
     for module_name, previous in _compat.redistribute_local_tensor_functions().items():
         _replaced[module_name] = previous
         _compat.set_redistribute_local_tensor(module_name, _planned(previous))
@@ -42,6 +46,8 @@ def is_enabled() -> bool:
 
 
 def _planned(previous):
+    # wraps: probes that read the replaced function (its source, its name) still see torch's
+    @functools.wraps(previous)
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
         if not _takes(current_spec, target_spec):
             return previous(local_tensor, current_spec, target_spec, **kwargs)
