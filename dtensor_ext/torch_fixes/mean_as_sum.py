@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, Partial
 from dtensor_ext.rules.pointwise import (
     _LOSS_BACKWARD_REDUCTION_ARG, _LOSS_REDUCTION_ARG, _SAMPLE_LOSS_BACKWARD_REDUCTION_ARG, MEAN, SUM,
 )
@@ -74,9 +75,20 @@ def _unevenly_sharded_on(self: DTensor, dims) -> bool:
     )
 
 
+def _as_partial_avg(summed_piece: DTensor) -> DTensor:
+    """The same value with each Partial(sum) mesh dim made Partial(avg) (pieces scaled by that dim's size): what
+    torch's even `mean` returns, and what an in-place shift such as rms_norm's `add_(eps)` keeps."""
+    mesh, placements = summed_piece.device_mesh, summed_piece.placements
+    summed_dims = [m for m, p in enumerate(placements) if p.is_partial() and p.reduce_op == "sum"]
+    avg = tuple(Partial("avg") if m in summed_dims else p for m, p in enumerate(placements))
+    spec = DTensorSpec(mesh, avg, tensor_meta=summed_piece._spec.tensor_meta)
+    scale = math.prod(mesh.size(m) for m in summed_dims)
+    return _compat.wrap_local_results(summed_piece._local_tensor * scale, spec)
+
+
 def mean_as_scaled_sum(op_call, args, kwargs):
     """torch's `mean` keeps Partial(avg) for even shards (no communication) and gathers uneven ones; there the
-    local sum over the global count is exact."""
+    local sum over the global count is exact, handed out as Partial(avg) like torch's even mean."""
     self = args[0]
     if self.ndim == 0:  # nothing to shard (and dim -1 / 0 names the tensor itself)
         return generic_dispatch(op_call, args, kwargs)
@@ -86,7 +98,7 @@ def mean_as_scaled_sum(op_call, args, kwargs):
         return generic_dispatch(op_call, args, kwargs)
     keepdim = args[2] if op_call is aten.mean.dim and len(args) > 2 else kwargs.get("keepdim", False)
     summed = aten.sum.dim_IntList(self, list(dims), keepdim, dtype=kwargs.get("dtype"))
-    return summed / math.prod(self.shape[d] for d in dims)
+    return _as_partial_avg(summed / math.prod(self.shape[d] for d in dims))
 
 
 def _ops(names) -> list:

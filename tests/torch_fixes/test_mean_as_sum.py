@@ -109,3 +109,13 @@ def test_mean_of_a_0d_dtensor():
     with simulated_mesh((2,)) as mesh:
         x = distribute_tensor(torch.tensor(2.5), mesh, [torch.distributed.tensor.Replicate()])
         assert x.mean().full_tensor() == 2.5 and x.mean(-1).full_tensor() == 2.5
+
+
+def test_rms_norm_over_an_uneven_hidden_shard():
+    """rms_norm shifts its mean in place (`add_(eps)`): the local mean is handed out as Partial(avg), which a shift
+    keeps (a Partial(sum) would be refused)."""
+    x, weight = torch.randn(2, 5, generator=torch.Generator().manual_seed(0)), torch.rand(5) + 0.5
+    with simulated_mesh((2,)) as mesh:
+        dx = distribute_tensor(x, mesh, [Shard(1)])
+        dw = distribute_tensor(weight, mesh, [Shard(0)])
+        torch.testing.assert_close(F.rms_norm(dx, (5,), dw).full_tensor(), F.rms_norm(x, (5,), weight))
