@@ -41,16 +41,20 @@ def copy_runs(shape, mesh_shape):
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
-def test_copy_into_empty_shards(torch_only, mesh_shape):
+def test_copy_into_empty_shards(fixed_ops, torch_only, mesh_shape):
+    """Where the feature check finds no refusal, the fix is not applied and torch alone copies every pair right."""
     refused = copy_runs(SMALL, mesh_shape)
     from dtensor_ext import install
 
     install()
-    assert fix_status("aten::copy_.default") == "fixed"
+    nested_from_partial = {k for k in refused if "Shard(dim=0), Shard(dim=0)" in k[0] and "Partial" in k[1]}
+    nested_from_partial |= {k for k in refused if "Shard(dim=1), Shard(dim=1)" in k[0] and "Partial" in k[1]}
+    if "aten::copy_.default" not in fixed_ops["in-place copy into a layout with an empty shard"]:
+        assert fix_status("aten::copy_.default") == "not needed"
+        assert not [k for k, r in refused.items() if isinstance(r, str) and k not in nested_from_partial]
+        return
     fixed = copy_runs(SMALL, mesh_shape)
-    assert any("in-place operations that require placement changes" in str(r) for r in refused.values())
-    nested_from_partial = {k for k in fixed if "Shard(dim=0), Shard(dim=0)" in k[0] and "Partial" in k[1]}
-    nested_from_partial |= {k for k in fixed if "Shard(dim=1), Shard(dim=1)" in k[0] and "Partial" in k[1]}
+    assert any(isinstance(r, str) for r in refused.values())
     assert not [k for k, r in fixed.items() if isinstance(r, str) and k not in nested_from_partial]
     for key, result in fixed.items():
         if isinstance(result, str):
