@@ -67,7 +67,7 @@ class _Ranks:
     def group(self, mesh_dims: tuple[int, ...]):
         """(process group argument, members of `index`'s group in group order) for a step over `mesh_dims`."""
         if len(mesh_dims) == 1:
-            group, owner = (self.mesh, mesh_dims[0]), self.mesh
+            group = (self.mesh, mesh_dims[0])
         else:
             flat = flattened_mesh(self.mesh, mesh_dims)
             if flat is None:
@@ -75,12 +75,12 @@ class _Ranks:
                     f"a step over mesh dims {mesh_dims} needs a flattened group, and torch flattens only meshes with "
                     "mesh_dim_names; name the mesh dims or plan with max_step_dims=1"
                 )
-            group, owner = (flat, 0), flat
+            group = (flat, 0)
         if not self.simulated:
             # c10d numbers a group's ranks in global rank order, which differs from mesh coordinate order on
             # meshes with a non-contiguous rank layout
             index_of = {g: i for i, g in enumerate(self.mesh.mesh.flatten().tolist())}
-            order = [index_of[g] for g in dist.get_process_group_ranks(owner.get_group(group[1] if owner is self.mesh else 0))]
+            order = [index_of[g] for g in dist.get_process_group_ranks(group[0].get_group(group[1]))]
             return group, lambda index: order
 
         def members(index: int) -> list[int]:
