@@ -40,7 +40,8 @@ def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request, ob
         assert torch.allclose(reassemble(local_values(ours), dst, mesh.mesh, shape), t, atol=1e-5)
         try:
             theirs = x.redistribute(mesh, dst)
-        except RuntimeError as exc:  # torch's own redistribute fails on some empty shards; the check above stands
+        except (RuntimeError, AssertionError) as exc:  # torch's own redistribute fails on some empty shards (an
+            # assertion on the local sizes for (1,) S0,S0 -> R,R on 2x2 under simulated ranks); the check above stands
             note(f"DTensor.redistribute failed: {exc}")
         else:
             assert _same(ours, theirs)

@@ -132,4 +132,5 @@ def test_any_layout_gives_the_one_device_loss(batch, classes, images, weighted, 
         rep = [Replicate()] * mesh.ndim
         loss = F.nll_loss(place_dtensor(x, mesh, x_placements), distribute_tensor(target, mesh, target_placements),
                           weight=None if weight is None else distribute_tensor(weight, mesh, rep), reduction=reduction)
-        torch.testing.assert_close(loss.full_tensor(), expected)
+        # every target ignored (batch 1, its one target -100) makes the mean 0/0: NaN on one device and sharded
+        torch.testing.assert_close(loss.full_tensor(), expected, equal_nan=True)
