@@ -555,12 +555,6 @@ def tp_convolution_kernels() -> tuple[Callable, Callable]:
     return tp_convolution, tp_convolution_backward
 
 
-def strategy_function_name(op: OpOverload) -> str | None:
-    """Name of the op_strategy function torch registered for `op` (to recognise a known faulty one), or None."""
-    func = propagator().op_strategy_funcs.get(op)
-    return getattr(func, "__name__", None)
-
-
 def min_cost_selector() -> Callable:
     """The function DTensor's propagator calls to pick one of an op's strategies for the given input specs."""
     return _sharding_prop_module._select_min_cost_strategy

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Partial, Replicate, Shard
 from dtensor_ext.torch_fixes import torch_fix
 from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
@@ -49,7 +49,12 @@ def mean_over_the_whole_batch(torch_strategy):
     return nll_loss_forward_whole_batch_mean
 
 
-_AVERAGING_STRATEGY = "nll_loss_forward_strategy"  # torch 2.13's op_strategy, Partial(avg) for a mean
+def _averages_shard_means(op, spatial: tuple[int, ...]) -> bool:
+    """Feature check: torch declares the mean loss of a batch-sharded (4, 3, *spatial) input Partial(avg)."""
+    x, target = torch.empty(4, 3, *spatial), torch.zeros(4, *spatial, dtype=torch.long)
+    args = (_compat.probe_spec(x, [Shard(0)]), _compat.probe_spec(target, [Shard(0)]), None, 1, -100)
+    placements = _compat.output_placements(op, args) or ()
+    return any(isinstance(p, Partial) and p.reduce_op == "avg" for p in placements)
 
 
 @torch_fix(
@@ -59,8 +64,8 @@ _AVERAGING_STRATEGY = "nll_loss_forward_strategy"  # torch 2.13's op_strategy, P
     "ignored targets, and refused on uneven shards",
 )
 def fix_nll_loss_mean():
-    ops = [aten.nll_loss_forward.default, aten.nll_loss2d_forward.default]
-    faulty = [op for op in ops if _compat.strategy_function_name(op) == _AVERAGING_STRATEGY]
+    probes = {aten.nll_loss_forward.default: (), aten.nll_loss2d_forward.default: (2, 2)}
+    faulty = [op for op, spatial in probes.items() if _averages_shard_means(op, spatial)]
     if not faulty:
         return None
     return wrap_strategies(faulty, mean_over_the_whole_batch)
