@@ -156,7 +156,7 @@ def engine_table() -> None:
     """The demo's 2x2 (dp, tp) training step and the FSDP+TP pattern with and without install(planner=True)."""
     from torch.distributed.tensor import distribute_tensor
 
-    from dtensor_ext.demo import run_demo
+    from dtensor_ext.tools.demo import run_demo
     from dtensor_ext.redistribute import engine
     from dtensor_ext.testing import simulated_mesh
 

@@ -11,10 +11,10 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("dtensor_ext.demo", "tensor-parallel transformer block on a simulated mesh vs one device"),
-    "coverage": ("dtensor_ext.coverage", "the rule registry per family (text or JSON)"),
+    "demo": ("dtensor_ext.tools.demo", "tensor-parallel transformer block on a simulated mesh vs one device"),
+    "coverage": ("dtensor_ext.tools.coverage", "the rule registry per family (text or JSON)"),
     "autotune": ("dtensor_ext.autotune.cli", "time collective implementations on this job's ranks (under torchrun)"),
-    "validate": ("dtensor_ext.rule_validation", "torch's strategy validator over every OpInfo reaching our rules/fixes"),
+    "validate": ("dtensor_ext.tools.rule_validation", "torch's strategy validator over every OpInfo reaching our rules/fixes"),
     "plan": ("dtensor_ext.redistribute.cli", "redistribution plans (naive, DTensor, optimal) vs the lower bound"),
 }
 

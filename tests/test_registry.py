@@ -166,7 +166,7 @@ def test_rules_declared_even_only_never_see_uneven_shards():
     """allow_uneven_sharding=False must mean even shards: torch's own flag lets 5 heads over 4 ranks (2, 2, 1, 0)
     through, and the CPU flash-attention kernel then kills the process (SIGFPE) on the rank with no heads. Run in
     a forked child, so that a regression fails this test instead of ending the session."""
-    from dtensor_ext.opdb_coverage import _in_child_process
+    from dtensor_ext.tools.opdb_coverage import _in_child_process
 
     dtensor_ext.install()
     assert _in_child_process(lambda: _sdpa_heads_split_runs(5)) is True

@@ -4,7 +4,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext.__main__ import main
-from dtensor_ext.rule_validation import opinfos_reaching_our_ops, validate
+from dtensor_ext.tools.rule_validation import opinfos_reaching_our_ops, validate
 from dtensor_ext.torch_fixes import replace_rule
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext.__main__ import main
 from dtensor_ext._compat import Partial, Replicate, Shard, TorchDispatchMode
-from dtensor_ext.opdb_coverage import (
+from dtensor_ext.tools.opdb_coverage import (
     Options, _in_child_process, _place_exactly, excluded_reason, format_report, measure,
 )
 

@@ -44,7 +44,7 @@ def registry_table() -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.opdb:
-        from dtensor_ext import opdb_coverage
+        from dtensor_ext.tools import opdb_coverage
 
         return opdb_coverage.run(args)
     if args.json:

@@ -18,7 +18,7 @@ import torch
 
 import dtensor_ext
 from dtensor_ext import _compat
-from dtensor_ext.opdb_coverage import _DispatchedOps, excluded_reason
+from dtensor_ext.tools.opdb_coverage import _DispatchedOps, excluded_reason
 from dtensor_ext.testing import simulated_mesh
 
 __all__ = ["Validation", "opinfos_reaching_our_ops", "validate", "add_arguments", "run"]

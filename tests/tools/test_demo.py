@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from dtensor_ext.demo import BlockConfig, check_mesh, run_demo
+from dtensor_ext.tools.demo import BlockConfig, check_mesh, run_demo
 
 
 SMALL = BlockConfig(dim=32, heads=4, hidden=64, batch=2, seq=8)

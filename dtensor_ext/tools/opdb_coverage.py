@@ -40,7 +40,7 @@ from dtensor_ext._compat import pytree
 
 import dtensor_ext
 from dtensor_ext import _compat
-from dtensor_ext.comm_stats import CommStatsMode
+from dtensor_ext.tools.comm_stats import CommStatsMode
 from dtensor_ext._compat import LocalTensor, Partial, Replicate, Shard, TorchDispatchMode
 from dtensor_ext.testing.checker import _judge, _Sample, _valid_outputs
 from dtensor_ext.testing.layout import place

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dtensor_ext
 from dtensor_ext._compat import local_tensor_values
-from dtensor_ext.comm_stats import CommStatsMode
+from dtensor_ext.tools.comm_stats import CommStatsMode
 from dtensor_ext.testing.mesh import simulated_mesh
 
 
