@@ -131,7 +131,8 @@ def test_enable_disable_restore_torch_exactly_and_clear_caches(monkeypatch):
     was_enabled = fast_propagation.is_enabled()  # the suite may run with fast propagation on
     fast_propagation.disable()
     cleared = []
-    monkeypatch.setattr(_compat, "clear_sharding_caches", lambda: cleared.append(True))
+    # patched where set_single_dim_expansion looks it up
+    monkeypatch.setattr(_compat.propagation, "clear_sharding_caches", lambda: cleared.append(True))
     try:
         original = _compat.single_dim_expansion()
         assert original is _compat.full_single_dim_expansion

@@ -1,0 +1,67 @@
+"""Process groups, meshes and collectives: what the planner, the autotuner and the passes run collectives on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtensor_ext._compat.testing import enabled_local_tensor_mode
+
+
+def process_group_of(group_name: Any):
+    """The process group a functional collective names (its ``group_name`` argument)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def group_size(group_name: Any) -> int:
+    return process_group_of(group_name).size()
+
+
+def default_store():
+    """The c10d key-value store of the default process group (private in torch); holds the tuner's failure flag."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def flat_collectives():
+    """(all_gather, reduce_scatter) on flat tensors: the *_single names where this torch has them (2.13+ deprecates
+    the *_into_tensor/*_tensor names), the older names otherwise."""
+    import torch.distributed as dist
+
+    return (
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+        getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
+    )
+
+
+def mesh_coordinates_by_rank(mesh) -> dict[int, tuple[int, ...]]:
+    """Global rank -> its coordinate in `mesh` (every simulated rank under LocalTensorMode, where a sub-mesh stands
+    for the slice each rank belongs to; only this rank otherwise); empty where this rank is not in `mesh`."""
+    import torch.distributed as dist
+
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return {}
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        return {dist.get_rank(): tuple(int(c) for c in coordinate)}
+
+    def on(c, rank: int) -> int:
+        node = getattr(c, "node", None)
+        if node is None:
+            return int(c)
+        values = getattr(node, "_local_ints", None)
+        return values[rank] if values is not None else node.maybe_as_int()  # the same on every rank
+
+    return {rank: tuple(on(c, rank) for c in coordinate) for rank in sorted(mode.ranks)}
+
+
+def flattened_mesh(mesh, mesh_dims: tuple[int, ...]):
+    """A 1-D mesh over `mesh_dims` of `mesh` (row-major), reusing one DeviceMesh._flatten made before; None where the
+    mesh has no dim names (torch cannot flatten it)."""
+    if mesh.mesh_dim_names is None:
+        return None
+    names = tuple(mesh.mesh_dim_names[d] for d in mesh_dims)
+    return mesh[names]._flatten("_".join(("dtensor_ext", *names)))

@@ -1,0 +1,122 @@
+"""DTensor's dispatcher: handlers that bypass its generic path, and the redistribution functions it calls."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from torch._ops import OpOverload
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._op_schema import OpSchema
+
+
+def custom_op_handler(op: OpOverload):
+    """The function DTensor's dispatcher runs for `op` in place of its generic path (propagate, redistribute,
+    run locally), or None; such a handler must apply any redistribution itself."""
+    return DTensor._op_dispatcher._custom_op_handlers.get(op)
+
+
+@contextlib.contextmanager
+def quiet_redistribute_warnings():
+    """Silence torch's per-call "suboptimal redistribution" warnings while measuring many redistributions."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def set_custom_op_handler(op: OpOverload, handler: Callable | None) -> Callable | None:
+    """Put `handler` in DTensor's table of ops that bypass its generic path (None removes it); returns the old one."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    previous = handlers.get(op)
+    if handler is None:
+        handlers.pop(op, None)
+    else:
+        handlers[op] = handler
+    return previous
+
+
+def propagate_and_redistribute(op_call: OpOverload, args: tuple, kwargs: dict) -> tuple[Any, Any, OpSchema]:
+    """What DTensor's generic dispatch does before running the local kernel, for handlers that run their own.
+
+    Returns (op_info with the redistributed local args, output sharding, the input schema the kernel runs on).
+    """
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    schema = op_info.schema
+    if sharding.needs_redistribute:
+        dispatcher.redistribute_local_args(
+            op_info, sharding.redistribute_schema, sharding.use_val_from_redistribute_schema
+        )
+        schema = sharding.redistribute_schema
+    return op_info, sharding, schema
+
+
+def wrap_local_results(local_results: object, output_spec: Any) -> object:
+    return DTensor._op_dispatcher.wrap(local_results, output_spec)
+
+
+def tp_convolution_kernels() -> tuple[Callable, Callable]:
+    """torch's local convolution forward/backward runners (they exchange halos when a spatial dim is sharded)."""
+    from torch.distributed.tensor._tp_conv import tp_convolution, tp_convolution_backward
+
+    return tp_convolution, tp_convolution_backward
+
+
+def load_linear_cross_entropy_ops() -> bool:
+    """Define torch's chunked linear-cross-entropy custom ops (torch_nn::_linear_cross_entropy_batch_chunked*),
+    which torch only registers when their module is first imported; False where this torch has no such module."""
+    try:
+        importlib.import_module("torch.nn.modules.linear_cross_entropy")
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+def mask_buffer_type() -> type:
+    """DTensor's holder of the mask a `_MaskPartial` reduction (embedding, gather) zeroes before summing."""
+    from torch.distributed.tensor._ops._mask_buffer import MaskBuffer
+
+    return MaskBuffer
+
+
+def dispatch_redistributor() -> Callable:
+    """The function DTensor's dispatcher calls to move one local input to the layout a strategy asks for."""
+    from torch.distributed.tensor import _dispatch
+
+    return _dispatch.redistribute_local_tensor
+
+
+def set_dispatch_redistributor(redistribute: Callable) -> None:
+    from torch.distributed.tensor import _dispatch
+
+    _dispatch.redistribute_local_tensor = redistribute
+
+
+_REDISTRIBUTE_CALLERS = ("_redistribute", "_dispatch", "_api")  # modules calling redistribute_local_tensor by name
+
+
+def redistribute_local_tensor_functions() -> dict[str, Callable]:
+    """module name -> the `redistribute_local_tensor` it calls (explicit redistribute, dispatch, full_tensor's
+    backward and Redistribute's own backward all go through one of these names)."""
+    modules = {name: importlib.import_module(f"torch.distributed.tensor.{name}") for name in _REDISTRIBUTE_CALLERS}
+    return {name: m.redistribute_local_tensor for name, m in modules.items() if hasattr(m, "redistribute_local_tensor")}
+
+
+def set_redistribute_local_tensor(module_name: str, function: Callable) -> None:
+    importlib.import_module(f"torch.distributed.tensor.{module_name}").redistribute_local_tensor = function
+
+
+def tracing_for_compile() -> bool:
+    """Whether dynamo/make_fx is tracing (DTensor plans differently then, without its caches)."""
+    from torch.distributed.tensor._redistribute import _are_we_tracing
+
+    return _are_we_tracing()
