@@ -165,6 +165,8 @@ def build_plan(
     chosen, free = {}, []
     for decision in decisions:
         styled = _module_style(graph, decision, chosen)
+        if styled is not None and _same_expert_split(chosen.get(decision.node.fqn), styled, decision.mesh_dim):
+            continue  # the experts' second grouped GEMM: the module is split once, by the first
         if styled is not None and decision.node.fqn in chosen:
             raise PolicyError(decision.source, "op", str(decision.node),
                               f"one partitioned op per module; module {decision.node.fqn!r} already runs "
@@ -182,6 +184,11 @@ def build_plan(
                 recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks,
                 [graph.nodes[i] for i in losses])
     return plan
+
+
+def _same_expert_split(first: ChosenStyle | None, second: ChosenStyle, mesh_dim: str | None) -> bool:
+    """Both grouped GEMMs of one experts module ask for the same expert split (on the same mesh dim)."""
+    return (first is not None and first.kind == second.kind == "expert" and first.mesh_dim == mesh_dim)
 
 
 _LOSSES = ("torch.nn.functional.cross_entropy",)
@@ -322,6 +329,9 @@ def _module_style(graph: GraphView, d: _Decision, chosen: dict[str, ChosenStyle]
         return ChosenStyle("colwise", d.node, d.source,
                            why="colwise: input from no colwise linear")
     kind, seq = options[0]
+    if kind == "expert":
+        return ChosenStyle(kind, d.node, d.source, why="expert parallel: '1,0' splits the stacked experts, held "
+                                                       "sharded; tokens replicated in, one all-reduce out")
     allowed = ", ".join(f"'{i},{dim}'" for i, dim in d.allowed)
     return ChosenStyle(kind, d.node, d.source, seq, why=f"{kind}: the only style {allowed} allows")
 
