@@ -85,6 +85,8 @@ def module_style_kind(node: OpNode, graph: GraphView) -> dict[tuple[int, int], t
         return {(0, d): ("sequence", d) for d in range(ndim - normalized)}
     if sig in _GROUPED_GEMMS and _reads_expert_parameter(graph, node, module):
         return {(1, 0): ("expert", None)}
+    if node.fqn and node is first_op_on_experts(graph, node.fqn):
+        return {(0, 0): ("expert", None)}
     if is_norm_module(module) and node.input_ids and node is first_op_on_input(graph, node.fqn):
         ndim = len(node.input_shapes[0])
         return {(0, d): ("sequence", d) for d in range(ndim - len(module.weight.shape))}
@@ -101,6 +103,16 @@ def _reads_expert_parameter(graph: GraphView, node: OpNode, module: torch.nn.Mod
     producer = graph.producer(node.input_ids[1])
     return (producer is not None and producer.signature in ("torch.Tensor.transpose", "torch.transpose")
             and id(producer.args[0]) in stacked and 0 not in {d % 3 for d in producer.args[1:3]})
+
+
+def first_op_on_experts(graph: GraphView, fqn: str) -> OpNode | None:
+    """The first op of a stacked-experts module's (first) call that reads one of its stacked weights as input 0
+    (``self.gate_up_proj[expert_idx]`` in the loop, ``weight.transpose(-2, -1)`` before grouped_mm): the op a
+    constraint naming the module's class partitions, "0,0" being the expert dim."""
+    call = graph.module_calls.get(fqn)
+    stacked = {id(p) for p in expert_parameters(call.module).values()} if call is not None else set()
+    return next((n for n in graph.nodes[call.first_op:call.last_op + 1]
+                 if n.fqn == fqn and n.args and id(n.args[0]) in stacked), None) if stacked else None
 
 
 def is_norm_module(module: torch.nn.Module) -> bool:

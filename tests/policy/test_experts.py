@@ -25,6 +25,12 @@ def experts_yaml(mesh_dim: str | None) -> str:
             + (f"  mesh_dim: {mesh_dim}\n" if mesh_dim else ""))
 
 
+EXPERTS_MODULE_YAML = """\
+- name: MixtralExperts                       # the experts module, whichever experts implementation runs
+  allowed_partition_dims: ["0,0"]           # its stacked weights' expert dim
+"""
+
+
 def hand_written_expert_parallel(model, mesh) -> None:
     """torchtitan's ExpertParallel, written directly with DTensor for Hugging Face's experts: the stacked weights
     Shard(0) on the expert dim; tokens come in replicated (their gradients summed over ranks), each rank runs its
@@ -166,3 +172,14 @@ def test_only_the_expert_dim_is_a_grouped_gemm_partition():
         build_plan(model, mesh, (ids,), constraints='- name: torch._grouped_mm\n  allowed_partition_dims: ["1,2"]\n')
     assert info.value.field == "allowed_partition_dims"
     assert "a partition of" in info.value.expected and "1,0 (expert)" in info.value.expected
+
+
+def test_naming_the_experts_module_splits_it_like_its_grouped_gemms():
+    model = hf_zoo.tiny_model("mixtral", use_cache=False)
+    ids, _ = hf_zoo.sample_batch()
+    with simulated_mesh((4,)) as mesh:
+        by_module = build_plan(model, mesh, (ids,), constraints=EXPERTS_MODULE_YAML)
+        by_gemm = build_plan(model, mesh, (ids,), constraints=experts_yaml(None))
+    assert by_module.module_styles == by_gemm.module_styles
+    assert list(by_module.module_styles) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert "expert parallel: '0,0' splits the stacked experts" in str(by_module)
