@@ -23,6 +23,7 @@ from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage
 from dtensor_ext.policy.styles import (
     ChosenStyle,
     StyleSpec,
+    first_op_on_experts,
     first_op_on_input,
     infer_module_plan,
     is_norm_module,
@@ -165,6 +166,8 @@ def build_plan(
     chosen, free = {}, []
     for decision in decisions:
         styled = _module_style(graph, decision, chosen)
+        if styled is not None and _same_expert_split(chosen.get(decision.node.fqn), styled, decision.mesh_dim):
+            continue  # the experts' second grouped GEMM: the module is split once, by the first
         if styled is not None and decision.node.fqn in chosen:
             raise PolicyError(decision.source, "op", str(decision.node),
                               f"one partitioned op per module; module {decision.node.fqn!r} already runs "
@@ -182,6 +185,11 @@ def build_plan(
                 recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks,
                 [graph.nodes[i] for i in losses])
     return plan
+
+
+def _same_expert_split(first: ChosenStyle | None, second: ChosenStyle, mesh_dim: str | None) -> bool:
+    """Both grouped GEMMs of one experts module ask for the same expert split (on the same mesh dim)."""
+    return (first is not None and first.kind == second.kind == "expert" and first.mesh_dim == mesh_dim)
 
 
 _LOSSES = ("torch.nn.functional.cross_entropy",)
@@ -226,7 +234,8 @@ def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint],
     decisions: dict[int, _Decision] = {}
     classes = graph.module_classes()
     for c in constraints:
-        named = [n for n in graph.nodes if c.name in n.names] or _norm_module_ops(graph, c.name)
+        named = ([n for n in graph.nodes if c.name in n.names] or _norm_module_ops(graph, c.name)
+                 or _experts_module_ops(graph, c.name))
         problem = None
         if c.parent_module is not None and c.parent_module not in classes:
             problem = ("parent_module", c.parent_module,
@@ -259,6 +268,13 @@ def _norm_module_ops(graph: GraphView, class_name: str) -> list[OpNode]:
     calls = [fqn for fqn, call in graph.module_calls.items()
              if type(call.module).__name__ == class_name and is_norm_module(call.module)]
     return [op for op in (first_op_on_input(graph, fqn) for fqn in calls) if op is not None]
+
+
+def _experts_module_ops(graph: GraphView, class_name: str) -> list[OpNode]:
+    """A stacked-experts module class named as a constraint's op (``MixtralExperts``, whichever experts
+    implementation runs: grouped_mm or the per-expert loop): the first op reading each one's stacked weights."""
+    calls = [fqn for fqn, call in graph.module_calls.items() if type(call.module).__name__ == class_name]
+    return [op for op in (first_op_on_experts(graph, fqn) for fqn in calls) if op is not None]
 
 
 def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
@@ -322,6 +338,10 @@ def _module_style(graph: GraphView, d: _Decision, chosen: dict[str, ChosenStyle]
         return ChosenStyle("colwise", d.node, d.source,
                            why="colwise: input from no colwise linear")
     kind, seq = options[0]
+    if kind == "expert":
+        index, dim = next(p for p in d.allowed if p in kinds)
+        return ChosenStyle(kind, d.node, d.source, why=f"expert parallel: '{index},{dim}' splits the stacked experts, "
+                                                       "held sharded; tokens replicated in, one all-reduce out")
     allowed = ", ".join(f"'{i},{dim}'" for i, dim in d.allowed)
     return ChosenStyle(kind, d.node, d.source, seq, why=f"{kind}: the only style {allowed} allows")
 

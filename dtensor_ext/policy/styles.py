@@ -23,13 +23,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_ext.policy.errors import PolicyError
+from dtensor_ext.policy.experts import ExpertParallel, expert_parameters
 from dtensor_ext.policy.graph_view import GraphView, OpNode
 
 __all__ = ["ChosenStyle", "PlanWarning", "StyleSpec", "module_style_kind", "infer_module_plan"]
 
 _TORCH_STYLES = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
-                 "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput}
+                 "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput,
+                 "ExpertParallel": ExpertParallel}
 _NORMS = ("torch.nn.functional.layer_norm", "torch.nn.functional.rms_norm")
+_GROUPED_GEMMS = ("torch._grouped_mm", "torch.nn.functional.grouped_mm")
 
 
 @dataclass
@@ -80,10 +83,36 @@ def module_style_kind(node: OpNode, graph: GraphView) -> dict[tuple[int, int], t
         ndim = len(node.input_shapes[0])
         normalized = len(node.args[1]) if len(node.args) > 1 else len(node.kwargs["normalized_shape"])
         return {(0, d): ("sequence", d) for d in range(ndim - normalized)}
+    if sig in _GROUPED_GEMMS and _reads_expert_parameter(graph, node, module):
+        return {(1, 0): ("expert", None)}
+    if node.fqn and node is first_op_on_experts(graph, node.fqn):
+        return {(0, 0): ("expert", None)}
     if is_norm_module(module) and node.input_ids and node is first_op_on_input(graph, node.fqn):
         ndim = len(node.input_shapes[0])
         return {(0, d): ("sequence", d) for d in range(ndim - len(module.weight.shape))}
     return None
+
+
+def _reads_expert_parameter(graph: GraphView, node: OpNode, module: torch.nn.Module) -> bool:
+    """A grouped GEMM whose weight (input 1) is one of the module's stacked expert parameters, read directly or
+    through a transpose (Hugging Face's ``weight.transpose(-2, -1)``), with the expert dim kept first."""
+    stacked = {id(p) for p in expert_parameters(module).values()}
+    weight = node.args[1] if len(node.args) > 1 else None
+    if weight is None or id(weight) in stacked:
+        return weight is not None
+    producer = graph.producer(node.input_ids[1])
+    return (producer is not None and producer.signature in ("torch.Tensor.transpose", "torch.transpose")
+            and id(producer.args[0]) in stacked and 0 not in {d % 3 for d in producer.args[1:3]})
+
+
+def first_op_on_experts(graph: GraphView, fqn: str) -> OpNode | None:
+    """The first op of a stacked-experts module's (first) call that reads one of its stacked weights as input 0
+    (``self.gate_up_proj[expert_idx]`` in the loop, ``weight.transpose(-2, -1)`` before grouped_mm): the op a
+    constraint naming the module's class partitions, "0,0" being the expert dim."""
+    call = graph.module_calls.get(fqn)
+    stacked = {id(p) for p in expert_parameters(call.module).values()} if call is not None else set()
+    return next((n for n in graph.nodes[call.first_op:call.last_op + 1]
+                 if n.fqn == fqn and n.args and id(n.args[0]) in stacked), None) if stacked else None
 
 
 def is_norm_module(module: torch.nn.Module) -> bool:
@@ -241,6 +270,8 @@ def _warn_gather(s: ChosenStyle, blockers: list[OpNode], by_node: dict[int, Chos
 
 
 def _spec(s: ChosenStyle) -> StyleSpec:
+    if s.kind == "expert":
+        return StyleSpec("ExpertParallel", {}, s.why)
     if s.kind == "sequence":
         return StyleSpec("SequenceParallel", {"sequence_dim": s.seq_dim} if s.seq_dim != 1 else {}, s.why)
     kwargs = {}
