@@ -23,9 +23,10 @@ _options: dict = {}
 
 
 def enable(**plan_options) -> None:
-    """Route DTensor's redistribution through the planner (`plan_options` as for `plan`). The objective defaults
-    to bytes (ties broken by modelled time): the time model's latency terms can trade bytes for fewer messages on
-    small tensors, which is not what a user turning the planner on asks for."""
+    """Route DTensor's redistribution through the planner (`plan_options` as for `plan`, plus `calibration`: an
+    autotune calibration file, default $DTENSOR_EXT_CALIBRATION). The objective defaults to bytes (ties broken by
+    modelled time): the time model's latency terms can trade bytes for fewer messages on small tensors, which is
+    not what a user turning the planner on asks for."""
     disable()
     _options.clear()
     _options.update({"objective": "bytes", **plan_options})
@@ -52,11 +53,11 @@ def _planned(previous):
         if not _takes(current_spec, target_spec):
             return previous(local_tensor, current_spec, target_spec, **kwargs)
         meta = current_spec.tensor_meta
-        chosen = plan_for(
+        chosen, choices = plan_for(
             meta.shape, current_spec.mesh, current_spec.placements, target_spec.placements, local_tensor.dtype,
             **_options,
         )
-        return execute_local(local_tensor, current_spec.mesh, chosen)
+        return execute_local(local_tensor, current_spec.mesh, chosen, choices)
 
     redistribute_local_tensor.replaced = previous
     return redistribute_local_tensor

@@ -73,7 +73,7 @@ def test_planner_engine_matches_dtensor_forward_and_backward(request):
 def test_install_routes_explicit_redistribute_full_tensor_and_dispatch_and_uninstall_restores_torch(monkeypatch):
     ran = []
     execute_local = engine.execute_local
-    monkeypatch.setattr(engine, "execute_local", lambda local, mesh, plan: ran.append(plan) or execute_local(local, mesh, plan))
+    monkeypatch.setattr(engine, "execute_local", lambda local, mesh, plan, choices: ran.append(plan) or execute_local(local, mesh, plan, choices))
     t = torch.randn(64, 48)
     dtensor_ext.install(planner=True)
     try:
