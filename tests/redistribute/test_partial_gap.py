@@ -35,9 +35,9 @@ def test_star_and_even_ring_reductions_miss_a_bound_a_reduction_chain_reaches():
 
 
 def test_uneven_tiny_shards_and_the_seeded_sample():
-    """(7,) on 2x2x2: 7 elements cannot be spread evenly (whole elements, 4|3 shards): 6 elements on the busiest
-    rank against an average of 3.5. And the sample of 75 random Partial-source pairs the documentation quotes:
-    70 at the bound, the worst 1.5x."""
+    """(7,) on 2x2x2 (4|3 shards): a star merge of 3 other pieces per 2-element chunk, 6 elements on the busiest
+    rank against the bound's 4. And the sample of 75 random Partial-source pairs the documentation quotes: 70 at
+    the bound, the worst 1.5x."""
     found = plan((7,), (2, 2, 2), P("P(sum),P(sum),S0"), P("S0,S0,R"), objective="bytes")
     assert (found.max_recv_bytes, lower_bound((7,), (2, 2, 2), P("P(sum),P(sum),S0"), P("S0,S0,R")).max_recv_bytes) == (24, 16)
     ratios = []
