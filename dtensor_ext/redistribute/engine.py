@@ -9,6 +9,7 @@ mesh, `Shard -> Partial`, tracing for torch.compile, a rank outside the mesh) go
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from dtensor_ext import _compat
@@ -16,7 +17,7 @@ from dtensor_ext._compat import Partial, Replicate
 from dtensor_ext.redistribute.executor import execute_local, plan_for
 from dtensor_ext.redistribute.placements import PARTIAL_OPS, is_shard
 
-__all__ = ["enable", "disable", "is_enabled"]
+__all__ = ["enable", "disable", "is_enabled", "torch_redistribution"]
 
 _replaced: dict[str, object] = {}  # module name -> the function it called before enable()
 _options: dict = {}
@@ -44,6 +45,18 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return bool(_replaced)
+
+
+@contextlib.contextmanager
+def torch_redistribution():
+    """DTensor's own redistribution for the duration (to compare with torch), then the engine as it was."""
+    was_on, options = is_enabled(), dict(_options)
+    disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            enable(**options)
 
 
 def _planned(previous):

@@ -439,7 +439,10 @@ def redistribute(tensor: DTensor, placements, *, planner: str = "optimal", **pla
     """`tensor.redistribute(mesh, placements)` along the chosen planner's plan; differentiable like DTensor's.
     `calibration=path` (default $DTENSOR_EXT_CALIBRATION) runs it with an autotune file's choices (see plan_for)."""
     if planner == "dtensor":
-        return tensor.redistribute(tensor.device_mesh, tuple(placements))
+        from dtensor_ext.redistribute.engine import torch_redistribution  # the engine wraps this module
+
+        with torch_redistribution():
+            return tensor.redistribute(tensor.device_mesh, tuple(placements))
     if tuple(placements) == tuple(tensor.placements):
         return tensor
     return _Redistribute.apply(tensor, tuple(placements), dict(plan_options, planner=planner))

@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from dtensor_ext.redistribute import parse_placements, redistribute
+    from dtensor_ext.redistribute import engine, parse_placements, redistribute
     from dtensor_ext.redistribute.layout import Layout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -44,7 +44,8 @@ def _worker(rank: int, world: int, port: int) -> None:
             if any(p.is_partial() for p in src_p):
                 local = local + torch.randn(local.shape)
             x = DTensor.from_local(local, mesh, src_p, run_check=False, shape=full.shape, stride=full.stride())
-            theirs = x.redistribute(mesh, dst_p)
+            with engine.torch_redistribution():  # the reference, also under DTENSOR_EXT_PLANNER=1
+                theirs = x.redistribute(mesh, dst_p)
             for objective in ("time", "bytes"):  # the bytes objective picks reduce_exchange for the Partial cases
                 ours = redistribute(x, dst_p, objective=objective)
                 assert ours.placements == theirs.placements
@@ -93,7 +94,8 @@ def _any_mesh_through_dtensor(rank: int) -> None:
         expected = _cut(full, Layout(full.shape, tuple(mesh.shape), dst_p).blocks[index])
         assert torch.equal(y.to_local(), expected) and torch.equal(gathered, full), (mesh, src, dst, rank)
         if mesh.mesh_dim_names in (("tp",), ("dp",)):  # contiguous: torch's own result is the reference too
-            assert torch.equal(x.redistribute(mesh, dst_p).to_local(), expected)
+            with engine.torch_redistribution():
+                assert torch.equal(x.redistribute(mesh, dst_p).to_local(), expected)
 
 
 def test_executor_on_four_gloo_ranks():
@@ -104,7 +106,7 @@ def _send_recv_worker(rank: int, world: int, port: int, calibration: str) -> Non
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from dtensor_ext.redistribute import parse_placements, plan, redistribute
+    from dtensor_ext.redistribute import engine, parse_placements, plan, redistribute
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -114,7 +116,8 @@ def _send_recv_worker(rank: int, world: int, port: int, calibration: str) -> Non
         src, dst = parse_placements("S0,S1"), parse_placements("S0,S0")
         assert [(s.kind, s.mesh_dims) for s in plan(full.shape, (2, 2), src, dst).steps] == [("permute", (1,))]
         x = distribute_tensor(full, mesh, src)
-        expected = x.redistribute(mesh, dst).to_local()
+        with engine.torch_redistribution():
+            expected = x.redistribute(mesh, dst).to_local()
         ran = {}
         for name, path in (("default", None), ("calibrated", calibration)):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
