@@ -148,3 +148,23 @@ def test_a_step_on_one_mesh_dim_runs_in_every_group_of_that_dim():
         finally:
             engine.disable()
     assert all(torch.equal(ours[r], theirs[r]) for r in theirs)
+
+
+def test_unnamed_4d_mesh_plans_one_mesh_dim_at_a_time():
+    """On a mesh without dim names every step must stay in one mesh dim's groups; where neither DTensor's order
+    nor one direct step does (nested S0 shards change which ranks hold what), gathering dim by dim and cutting
+    locally still does. Before, these raised NoFeasiblePlan (found by the suite under DTENSOR_EXT_PLANNER=1)."""
+    t = torch.randn(8, 6)
+    for src, dst in [("S1,P(sum),S0,R", "S0,S1,R,S0"), ("S0,S0,S0,S0", "S0,S1,S0,R")]:
+        chosen = plan(t.shape, (2, 2, 2, 2), P(src), P(dst), objective="bytes", max_step_dims=1)
+        assert all(len(s.mesh_dims) <= 1 for s in chosen.steps), chosen
+        with simulated_mesh((2, 2, 2, 2)) as mesh:
+            x = placed_dtensor(mesh, t, P(src))
+            with engine.torch_redistribution():
+                theirs = _values(x.redistribute(mesh, P(dst)))
+            engine.enable()
+            try:
+                ours = _values(x.redistribute(mesh, P(dst)))
+            finally:
+                engine.disable()
+        assert all(torch.allclose(ours[r], theirs[r], atol=1e-5) for r in theirs), (src, dst)
