@@ -59,10 +59,10 @@ class _Ranks:
             (rank,) = self.index
             return fn(self.index[rank], *tensors)
         mode = enabled_local_tensor_mode()
+        # LocalTensorMode keeps a plain tensor where every rank's is the same (e.g. a replicated parameter)
+        per_rank = [local_tensor_values(t) or dict.fromkeys(mode.ranks, t) for t in tensors]
         with mode.disable():
-            return LocalTensor(
-                {r: fn(self.index[r], *[local_tensor_values(t)[r] for t in tensors]) for r in sorted(mode.ranks)}
-            )
+            return LocalTensor({r: fn(self.index[r], *[values[r] for values in per_rank]) for r in sorted(mode.ranks)})
 
     def ints(self, values_by_index):
         """One int per rank (values_by_index(mesh index)), as collectives take split sizes."""

@@ -168,3 +168,19 @@ def test_unnamed_4d_mesh_plans_one_mesh_dim_at_a_time():
             finally:
                 engine.disable()
         assert all(torch.allclose(ours[r], theirs[r], atol=1e-5) for r in theirs), (src, dst)
+
+
+def test_a_plain_local_tensor_under_simulated_ranks():
+    """LocalTensorMode keeps a plain tensor where every rank holds the same (a replicated weight handed to
+    from_local); the executor reads it as every rank's (found by tests/policy under DTENSOR_EXT_PLANNER=1)."""
+    t = torch.randn(4, 6)
+    with _named((2,)) as mesh:
+        x = DTensor.from_local(t, mesh, P("R"), run_check=False)
+        assert _compat.local_tensor_values(x._local_tensor) is None  # the case under test
+        engine.enable()
+        try:
+            y = x.redistribute(mesh, P("S0"))
+        finally:
+            engine.disable()
+        ours = _values(y)
+    assert torch.equal(ours[0], t[:2]) and torch.equal(ours[1], t[2:])
