@@ -214,7 +214,7 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget, 
         if any(isinstance(q, Partial) and q != p and not isinstance(p, Replicate) for p, q in zip(state, dst)):
             return None
         builder.work += builder.world
-        return lower_bound(builder.shape, builder.mesh_shape, state, dst, dtype=_dtype_of(builder.itemsize))
+        return lower_bound(builder.shape, builder.mesh_shape, state, dst, dtype=builder.dtype)
 
     min_alpha = builder.cost.min_alpha
 
@@ -266,6 +266,3 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget, 
         raise NoFeasiblePlan(f"no plan from {format_placements(src)} to {format_placements(dst)}{cap}")
     return prefix + best, True
 
-
-def _dtype_of(itemsize: int) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}[itemsize]
