@@ -92,3 +92,25 @@ def test_no_calibration_entry_for_this_mesh_runs_the_defaults(tmp_path):
         with recorder:
             redistribute(x, P("R,R"), calibration=str(path))
         assert len(recorder.calls) == 2  # the gloo entry is not this simulated mesh's
+
+
+def test_install_reads_the_calibration_file_for_dtensors_own_redistribution(tmp_path):
+    import dtensor_ext
+    from dtensor_ext.redistribute import engine
+
+    path = _calibration(tmp_path, **{"all_gather_over_dims/mesh_dims=0+1/bytes=4096": "flattened"})
+    with pytest.raises(ValueError, match=r"install\(calibration=...\): the calibration file is read by the planner"):
+        dtensor_ext.install(calibration=path)
+    t = torch.randn(8, 6)
+    with engine.torch_redistribution():  # whatever the run had before comes back afterwards
+        dtensor_ext.install(planner=True, calibration=path)
+        try:
+            with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+                x = distribute_tensor(t, mesh, P("S0,S0"))
+                recorder = CollectiveRecorder()
+                with recorder:
+                    y = x.redistribute(mesh, P("R,R"))
+                assert _collectives(recorder, (2, 2)) == [("all_to_all", (0, 1))]
+                assert torch.equal(y.full_tensor(), t)
+        finally:
+            engine.disable()
