@@ -22,12 +22,15 @@ install(fast_propagation=True if os.environ.get("DTENSOR_EXT_FAST_PROPAGATION") 
 def _with_planner(install_rules, uninstall_rules):
     from dtensor_ext.redistribute import engine
 
-    def install(*, planner: bool | None = None, **options):
+    def install(*, planner: bool | None = None, calibration: str | None = None, **options):
         """install(...) of dtensor_ext.registry; planner=True also makes DTensor redistribute along the planner's
-        plans, False puts torch's redistribution back, None leaves it as it is."""
+        plans (with an autotune `calibration` file's choices, default $DTENSOR_EXT_CALIBRATION), False puts
+        torch's redistribution back, None leaves it as it is."""
+        if calibration is not None and not planner:
+            raise ValueError("install(calibration=...): the calibration file is read by the planner; pass planner=True")
         entries = install_rules(**options)
         if planner is not None:
-            engine.enable() if planner else engine.disable()
+            engine.enable(calibration=calibration) if planner else engine.disable()
         return entries
 
     def uninstall():

@@ -4,13 +4,12 @@ fall back to the default on any timeout or error, and write a calibration file f
 See docs/autotune.md.
 """
 
-from dtensor_ext.autotune.calibration import (
+from dtensor_ext.autotune.calibration import fit_alpha_beta, held_out_factor
+from dtensor_ext.redistribute.calibration_file import (
     AlphaBeta,
     CalibrationEntry,
     Choice,
     calibration_key,
-    fit_alpha_beta,
-    held_out_factor,
     read_calibration,
     write_calibration_entry,
 )

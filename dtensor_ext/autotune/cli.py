@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dtensor_ext.autotune.calibration import dtype_name
+from dtensor_ext.redistribute.calibration_file import dtype_name
 from dtensor_ext.autotune.report import ascii_plots, format_report, svg_plots
 from dtensor_ext.autotune.tuner import DEFAULT_SIZES, Autotuner
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from itertools import groupby
 from xml.sax.saxutils import escape
 
-from dtensor_ext.autotune.calibration import NOT_MEASURED
+from dtensor_ext.redistribute.calibration_file import NOT_MEASURED
 from dtensor_ext.autotune.tuner import TuneResult
 
 __all__ = ["ascii_plots", "format_report", "svg_plots"]

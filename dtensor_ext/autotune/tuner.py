@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dtensor_ext.autotune.calibration import (
+from dtensor_ext.autotune.calibration import fit_alpha_beta, held_out_factor
+from dtensor_ext.redistribute.calibration_file import (
     NOT_MEASURED,
     AlphaBeta,
     CalibrationEntry,
     Choice,
     calibration_key,
-    fit_alpha_beta,
-    held_out_factor,
     read_calibration,
     write_calibration_entry,
 )

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 from dtensor_ext.redistribute.lower_bound import lower_bound
+from dtensor_ext.redistribute.measure import DTensorRedistributeFailed
+from dtensor_ext.redistribute.plan import format_bytes
 from dtensor_ext.redistribute.placements import parse_ints, parse_placements
 from dtensor_ext.redistribute.picture import plan_svg
-from dtensor_ext.redistribute.planners import OBJECTIVES, PLANNERS, plan
+from dtensor_ext.redistribute.planners import OBJECTIVES, PLANNERS, NoFeasiblePlan, plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,23 +30,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit status 0, or 2 with one line on stderr naming what was wrong with the request (no traceback)."""
+    try:
+        print(report(args))
+    except ValueError as exc:  # bad input and NoFeasiblePlan; anything else is a bug and keeps its traceback
+        print(f"python -m dtensor_ext plan: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def report(args: argparse.Namespace) -> str:
+    """The lower bound, then each planner's plan with its ratios to the bound (all sizes in bytes)."""
     shape, mesh = parse_ints(args.shape, "--shape"), parse_ints(args.mesh, "--mesh")
     src, dst = parse_placements(args.src, "--src"), parse_placements(args.dst, "--dst")
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
-        raise SystemExit(f"--dtype {args.dtype!r}: expected a torch dtype name such as float32 or bfloat16")
+        raise ValueError(f"--dtype {args.dtype!r}: expected a torch dtype name such as float32 or bfloat16")
+    planners = args.planners.split(",")
+    if unknown := [name for name in planners if name not in PLANNERS]:
+        raise ValueError(f"--planners {args.planners!r}: {unknown[0]!r} is not a planner; expected some of {PLANNERS}")
     bound = lower_bound(shape, mesh, src, dst, dtype)
-    print(bound)
-    for name in args.planners.split(","):
-        chosen = plan(
-            shape, mesh, src, dst, dtype=dtype, planner=name, max_peak_bytes=args.max_peak_bytes, objective=args.objective
+    if args.max_peak_bytes is not None and args.max_peak_bytes < bound.peak_bytes:
+        raise ValueError(
+            f"--max-peak-bytes {args.max_peak_bytes}: below {format_bytes(bound.peak_bytes)}, what the source or "
+            "target layout alone holds on a rank"
         )
-        print(chosen)
+    lines = [str(bound)]
+    for name in planners:
+        try:
+            chosen = plan(
+                shape, mesh, src, dst, dtype=dtype, planner=name, max_peak_bytes=args.max_peak_bytes,
+                objective=args.objective,
+            )
+        except (DTensorRedistributeFailed, NoFeasiblePlan) as exc:  # the other plans are still worth printing
+            lines += [f"{name} plan: none, {_one_line(exc)}", ""]
+            continue
+        lines.append(str(chosen))
         if args.svg and name != "dtensor":  # torch's steps are recorded collectives, not layouts
             path = f"{args.svg}-{name}.svg"
             with open(path, "w") as f:
                 f.write(plan_svg(chosen))
-            print(f"  picture: {path}")
-        ratio = chosen.max_recv_bytes / bound.max_recv_bytes if bound.max_recv_bytes else float("nan")
-        print(f"  vs lower bound: recv x{ratio:.2f}, peak x{chosen.peak_bytes / bound.peak_bytes:.2f}\n")
-    return 0
+            lines.append(f"  picture: {path}")
+        lines += [f"  vs lower bound: {_ratio(chosen.max_recv_bytes, bound.max_recv_bytes, 'recv')}, "
+                  f"{_ratio(chosen.peak_bytes, bound.peak_bytes, 'peak')}", ""]
+    return "\n".join(lines).rstrip("\n")
+
+
+def _ratio(value: int, bound: int, what: str) -> str:
+    if bound:
+        return f"{what} x{value / bound:.2f}"
+    return f"{what} at the bound (0 B)" if value == 0 else f"{what} {format_bytes(value)} over a bound of 0 B"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

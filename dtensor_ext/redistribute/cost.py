@@ -13,24 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from dtensor_ext import _compat
+from dtensor_ext.redistribute.calibration_file import AlphaBeta, read_calibration
 
 __all__ = ["KINDS", "AlphaBeta", "RingCostModel", "IdealCostModel", "CalibratedCostModel", "DTensorCostModel"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    alpha_s: float  # latency per message
-    beta_s_per_byte: float  # inverse bandwidth
-
-    def predict(self, received_bytes: float) -> float:
-        """One message's time: the autotuner fits this line to its measurements."""
-        return self.alpha_s + self.beta_s_per_byte * received_bytes
 
 
 def _check_kind(kind: str) -> None:
@@ -103,8 +93,6 @@ class CalibratedCostModel(RingCostModel):
     @classmethod
     def from_file(cls, path: str | Path, key: str) -> "CalibratedCostModel":
         """The entry `key` (see `dtensor_ext.autotune.calibration_key`) of an autotune calibration file."""
-        from dtensor_ext.autotune.calibration import read_calibration
-
         if not Path(path).exists():
             raise FileNotFoundError(f"calibration file {path} does not exist (run `python -m dtensor_ext autotune`)")
         entries = read_calibration(path)

@@ -9,6 +9,7 @@ mesh, `Shard -> Partial`, tracing for torch.compile, a rank outside the mesh) go
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from dtensor_ext import _compat
@@ -16,16 +17,17 @@ from dtensor_ext._compat import Partial, Replicate
 from dtensor_ext.redistribute.executor import execute_local, plan_for
 from dtensor_ext.redistribute.placements import PARTIAL_OPS, is_shard
 
-__all__ = ["enable", "disable", "is_enabled"]
+__all__ = ["enable", "disable", "is_enabled", "torch_redistribution"]
 
 _replaced: dict[str, object] = {}  # module name -> the function it called before enable()
 _options: dict = {}
 
 
 def enable(**plan_options) -> None:
-    """Route DTensor's redistribution through the planner (`plan_options` as for `plan`). The objective defaults
-    to bytes (ties broken by modelled time): the time model's latency terms can trade bytes for fewer messages on
-    small tensors, which is not what a user turning the planner on asks for."""
+    """Route DTensor's redistribution through the planner (`plan_options` as for `plan`, plus `calibration`: an
+    autotune calibration file, default $DTENSOR_EXT_CALIBRATION). The objective defaults to bytes (ties broken by
+    modelled time): the time model's latency terms can trade bytes for fewer messages on small tensors, which is
+    not what a user turning the planner on asks for."""
     disable()
     _options.clear()
     _options.update({"objective": "bytes", **plan_options})
@@ -45,6 +47,18 @@ def is_enabled() -> bool:
     return bool(_replaced)
 
 
+@contextlib.contextmanager
+def torch_redistribution():
+    """DTensor's own redistribution for the duration (to compare with torch), then the engine as it was."""
+    was_on, options = is_enabled(), dict(_options)
+    disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            enable(**options)
+
+
 def _planned(previous):
     # wraps: probes that read the replaced function (its source, its name) still see torch's
     @functools.wraps(previous)
@@ -52,11 +66,11 @@ def _planned(previous):
         if not _takes(current_spec, target_spec):
             return previous(local_tensor, current_spec, target_spec, **kwargs)
         meta = current_spec.tensor_meta
-        chosen = plan_for(
+        chosen, choices = plan_for(
             meta.shape, current_spec.mesh, current_spec.placements, target_spec.placements, local_tensor.dtype,
             **_options,
         )
-        return execute_local(local_tensor, current_spec.mesh, chosen)
+        return execute_local(local_tensor, current_spec.mesh, chosen, choices)
 
     redistribute_local_tensor.replaced = previous
     return redistribute_local_tensor

@@ -6,6 +6,9 @@ several), so the bytes on the wire are exactly the plan's. Reductions run on the
 (`all_reduce`, `reduce_scatter_tensor`), or, for a reduce_exchange, as two such all-to-alls with a local reduction
 between. Ranks are numbered by their coordinate in the DTensor's mesh, so any DeviceMesh works (a sub-mesh,
 non-contiguous rank orders). Under a simulated mesh every rank's part is computed in this process.
+With an autotune calibration file, its measured choices decide how gathers over several mesh dims and one-dim
+exchanges run (dtensor_ext.redistribute.choices); send/recv pairs need real processes, so a simulated mesh runs
+those exchanges as all_to_all_single.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ from dtensor_ext._compat import (
     local_tensor_values,
     mesh_coordinates_by_rank,
 )
+from dtensor_ext.redistribute.choices import Choices, calibration_for
+from dtensor_ext.redistribute.cost import IdealCostModel
 from dtensor_ext.redistribute.placements import is_shard
 from dtensor_ext.redistribute.layout import Layout, coordinates
 from dtensor_ext.redistribute.plan import Plan, Step, Transfer
+from dtensor_ext.redistribute.steps import StepBuilder, replace_placement
 
 __all__ = ["execute", "redistribute"]
 
@@ -53,10 +59,10 @@ class _Ranks:
             (rank,) = self.index
             return fn(self.index[rank], *tensors)
         mode = enabled_local_tensor_mode()
+        # LocalTensorMode keeps a plain tensor where every rank's is the same (e.g. a replicated parameter)
+        per_rank = [local_tensor_values(t) or dict.fromkeys(mode.ranks, t) for t in tensors]
         with mode.disable():
-            return LocalTensor(
-                {r: fn(self.index[r], *[local_tensor_values(t)[r] for t in tensors]) for r in sorted(mode.ranks)}
-            )
+            return LocalTensor({r: fn(self.index[r], *[values[r] for values in per_rank]) for r in sorted(mode.ranks)})
 
     def ints(self, values_by_index):
         """One int per rank (values_by_index(mesh index)), as collectives take split sizes."""
@@ -129,10 +135,10 @@ def _assign(out: torch.Tensor, positions, value: torch.Tensor) -> None:
     out[torch.meshgrid(*as_index, indexing="ij")] = value
 
 
-def _all_to_all(ranks: _Ranks, step: Step, transfers, pack, *local):
-    """One all_to_all_single carrying `transfers` on the group of the step's mesh dims; pack(rank, *that rank's
-    tensors, its outgoing transfers in destination order) gives the tensors it sends. Returns the received buffer
-    (pieces in source order)."""
+def _all_to_all(ranks: _Ranks, step: Step, transfers, pack, *local, send_recv: bool = False):
+    """One all_to_all_single carrying `transfers` on the group of the step's mesh dims (batched isend/irecv pairs
+    where `send_recv` and the ranks are real processes); pack(rank, *that rank's tensors, its outgoing transfers in
+    destination order) gives the tensors it sends. Returns the received buffer (pieces in source order)."""
     sizes: dict[tuple[int, int], int] = {}
     for t in transfers:
         sizes[t.src, t.dst] = sizes.get((t.src, t.dst), 0) + _numel(t.block)
@@ -156,7 +162,28 @@ def _all_to_all(ranks: _Ranks, step: Step, transfers, pack, *local):
             out.append(local_int(values) if isinstance(values, dict) else values)
         return out
 
+    if send_recv and not ranks.simulated:
+        return _send_recv(ranks.per_rank(flat, *local), split_sizes(False), split_sizes(True), group)
     return funcol.all_to_all_single(ranks.per_rank(flat, *local), split_sizes(False), split_sizes(True), group)
+
+
+def _send_recv(buffer: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group) -> torch.Tensor:
+    """all_to_all_single's exchange as one batch of isend/irecv pairs (the autotuner's `send_recv`)."""
+    process_group = group[0].get_group(group[1])
+    peers, me = dist.get_process_group_ranks(process_group), dist.get_rank()
+    sends, received = buffer.split(input_sizes), [buffer.new_empty(n) for n in output_sizes]
+    ops = []
+    for position, peer in enumerate(peers):
+        if peer == me:
+            received[position].copy_(sends[position])
+            continue
+        if input_sizes[position]:
+            ops.append(dist.P2POp(dist.isend, sends[position].contiguous(), peer, process_group))
+        if output_sizes[position]:
+            ops.append(dist.P2POp(dist.irecv, received[position], peer, process_group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return torch.cat(received)
 
 
 def _received(transfers, rank: int, buffer: torch.Tensor, members):
@@ -178,7 +205,7 @@ def _picker(before: Layout):
     return lambda r, x, outgoing: [_select(x, _positions(before.blocks[r], t.block)) for t in outgoing]
 
 
-def _exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout):
+def _exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout, send_recv: bool = False):
     def unpack(r, x, received=None):
         out = x.new_zeros(after.local_shapes[r])
         kept = after.overlap(r, before, r)
@@ -191,7 +218,8 @@ def _exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout):
 
     if not step.transfers:
         return ranks.per_rank(unpack, local)
-    return ranks.per_rank(unpack, local, _all_to_all(ranks, step, step.transfers, _picker(before), local))
+    received = _all_to_all(ranks, step, step.transfers, _picker(before), local, send_recv=send_recv)
+    return ranks.per_rank(unpack, local, received)
 
 
 def _reduce_exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout):
@@ -282,18 +310,19 @@ def _reduce_scatter(ranks: _Ranks, local, step: Step, mesh, before: Layout, afte
     return ranks.per_rank(unpad, out)
 
 
-def execute(tensor: DTensor, plan: Plan) -> DTensor:
-    """Run `plan` on `tensor` (which must match its shape, dtype and source placements)."""
+def execute(tensor: DTensor, plan: Plan, choices: Choices = Choices()) -> DTensor:
+    """Run `plan` on `tensor` (which must match its shape, dtype and source placements) with the calibrated
+    implementation `choices` (see dtensor_ext.redistribute.choices)."""
     if tuple(tensor.shape) != plan.shape or tuple(tensor.placements) != plan.src or tensor.dtype != plan.dtype:
         raise ValueError(
             f"plan for {plan.shape} {plan.dtype} {plan.src} given a tensor {tuple(tensor.shape)} {tensor.dtype} "
             f"{tuple(tensor.placements)}"
         )
-    local = execute_local(tensor._local_tensor, tensor.device_mesh, plan)
+    local = execute_local(tensor._local_tensor, tensor.device_mesh, plan, choices)
     return DTensor.from_local(local, tensor.device_mesh, plan.dst, run_check=False, shape=tensor.shape, stride=tensor.stride())
 
 
-def execute_local(local: torch.Tensor, mesh, plan: Plan) -> torch.Tensor:
+def execute_local(local: torch.Tensor, mesh, plan: Plan, choices: Choices = Choices()) -> torch.Tensor:
     """This rank's local tensor (every simulated rank's, under LocalTensorMode) after running `plan` on `mesh`."""
     if plan.planner == "dtensor":
         raise ValueError("the 'dtensor' plan is a record of torch's own redistribute; run DTensor.redistribute")
@@ -302,7 +331,7 @@ def execute_local(local: torch.Tensor, mesh, plan: Plan) -> torch.Tensor:
     if not plan.steps:
         return local
     ranks = _Ranks(mesh, plan.mesh_shape)
-    for step in plan.steps:
+    for step, send_recv in _as_chosen(plan, mesh, choices):
         before, after = Layout(plan.shape, plan.mesh_shape, step.before), Layout(plan.shape, plan.mesh_shape, step.after)
         if step.kind == "all_reduce":
             local = _all_reduce(local, step, mesh)
@@ -311,10 +340,53 @@ def execute_local(local: torch.Tensor, mesh, plan: Plan) -> torch.Tensor:
         elif step.kind == "reduce_exchange":
             local = _reduce_exchange(ranks, local, step, before, after)
         else:
-            local = _exchange(ranks, local, step, before, after)
+            local = _exchange(ranks, local, step, before, after, send_recv)
     if isinstance(local, funcol.AsyncCollectiveTensor):
         local = local.wait()
     return local
+
+
+def _as_chosen(plan: Plan, mesh, choices: Choices) -> list[tuple[Step, bool]]:
+    """The plan's steps as the calibrated choices run them, each with whether it runs as send/recv pairs: gathers
+    over several mesh dims split per dim or merged into one on the flattened group (where the mesh has dim names,
+    which torch needs to flatten), exchanges on one mesh dim as all_to_all_single or send/recv."""
+    if not choices.measured:
+        return [(step, False) for step in plan.steps]
+    builder = StepBuilder(plan.shape, plan.mesh_shape, plan.dtype, IdealCostModel().bind(plan.mesh_shape))
+    out: list[tuple[Step, bool]] = []
+    for step in plan.steps:
+        previous = out[-1][0] if out else None
+        if step.kind == "all_gather" and previous is not None and previous.kind == "all_gather":
+            dims = tuple(sorted({*previous.mesh_dims, *step.mesh_dims}))
+            contributed = builder.buffer_bytes(previous.before)  # the autotuner's size: what each rank puts in
+            if mesh.mesh_dim_names is not None and choices.pick("all_gather_over_dims", dims, contributed) == "flattened":
+                out[-1] = (builder.exchange(previous.before, step.after), False)
+                continue
+        if step.kind == "all_gather" and len(step.mesh_dims) > 1:
+            if choices.pick("all_gather_over_dims", step.mesh_dims, builder.buffer_bytes(step.before)) == "per_dim":
+                out.extend((part, False) for part in _per_dim_gathers(builder, step))
+                continue
+        out.append((step, _sends_and_receives(step, plan.mesh_shape, choices)))
+    return out
+
+
+def _per_dim_gathers(builder: StepBuilder, step: Step) -> list[Step]:
+    """The step as one exchange per changed mesh dim, innermost first (as DTensor gathers)."""
+    parts, state = [], step.before
+    for mesh_dim in reversed(range(len(state))):
+        if state[mesh_dim] != step.after[mesh_dim]:
+            target = replace_placement(state, mesh_dim, step.after[mesh_dim])
+            parts.append(builder.exchange(state, target))
+            state = target
+    return parts
+
+
+def _sends_and_receives(step: Step, mesh_shape, choices: Choices) -> bool:
+    if step.kind not in ("all_to_all", "permute") or len(step.mesh_dims) != 1:
+        return False
+    n = mesh_shape[step.mesh_dims[0]]
+    buffer = max(step.recv_bytes) * n // (n - 1)  # the autotuner's size: the per-rank all-to-all buffer
+    return choices.pick("all_to_all", step.mesh_dims, buffer) == "send_recv"
 
 
 @functools.lru_cache(maxsize=256)
@@ -325,12 +397,18 @@ def _cached_plan(shape, mesh_shape, src, dst, dtype, options) -> Plan:
     return plan(shape, mesh_shape, src, dst, dtype=dtype, **dict(options))
 
 
-def plan_for(shape, mesh, src, dst, dtype, **options) -> Plan:
-    """The (cached) plan the executor can run on `mesh`: steps over several mesh dims need a flattened group, which
-    torch builds only for meshes with dim names."""
+def plan_for(shape, mesh, src, dst, dtype, calibration=None, **options) -> tuple[Plan, Choices]:
+    """The (cached) plan the executor can run on `mesh`, and the implementation choices to run it with. Steps over
+    several mesh dims need a flattened group, which torch builds only for meshes with dim names. Where the
+    calibration file (`calibration`, default $DTENSOR_EXT_CALIBRATION) has an entry for this mesh and dtype, its
+    alpha/beta price the steps (unless a cost_model is given) and its choices run them."""
     if mesh.mesh_dim_names is None and mesh.ndim > 1:
         options.setdefault("max_step_dims", 1)
-    return _cached_plan(tuple(shape), tuple(mesh.shape), tuple(src), tuple(dst), dtype, tuple(sorted(options.items())))
+    model, choices = calibration_for(calibration, mesh, dtype)
+    if model is not None:
+        options.setdefault("cost_model", model)
+    key = (tuple(shape), tuple(mesh.shape), tuple(src), tuple(dst), dtype, tuple(sorted(options.items(), key=str)))
+    return _cached_plan(*key), choices
 
 
 def gradient_placements(grad_placements, source_placements) -> tuple:
@@ -346,8 +424,8 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: DTensor, placements, options):
         ctx.source, ctx.options = tuple(tensor.placements), options
-        chosen = plan_for(tensor.shape, tensor.device_mesh, ctx.source, placements, tensor.dtype, **options)
-        return execute(tensor, chosen)
+        chosen, choices = plan_for(tensor.shape, tensor.device_mesh, ctx.source, placements, tensor.dtype, **options)
+        return execute(tensor, chosen, choices)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
@@ -358,9 +436,13 @@ class _Redistribute(torch.autograd.Function):
 
 
 def redistribute(tensor: DTensor, placements, *, planner: str = "optimal", **plan_options) -> DTensor:
-    """`tensor.redistribute(mesh, placements)` along the chosen planner's plan; differentiable like DTensor's."""
+    """`tensor.redistribute(mesh, placements)` along the chosen planner's plan; differentiable like DTensor's.
+    `calibration=path` (default $DTENSOR_EXT_CALIBRATION) runs it with an autotune file's choices (see plan_for)."""
     if planner == "dtensor":
-        return tensor.redistribute(tensor.device_mesh, tuple(placements))
+        from dtensor_ext.redistribute.engine import torch_redistribution  # the engine wraps this module
+
+        with torch_redistribution():
+            return tensor.redistribute(tensor.device_mesh, tuple(placements))
     if tuple(placements) == tuple(tensor.placements):
         return tensor
     return _Redistribute.apply(tensor, tuple(placements), dict(plan_options, planner=planner))

@@ -18,6 +18,7 @@ import torch
 from dtensor_ext._compat import Partial, Placement, Replicate
 from dtensor_ext.redistribute.layout import Layout, coordinates, count
 from dtensor_ext.redistribute.placements import check_placements, format_placements
+from dtensor_ext.redistribute.plan import format_bytes
 
 __all__ = ["LowerBound", "lower_bound", "reduced_dims", "validate_request"]
 
@@ -29,7 +30,7 @@ class LowerBound:
     peak_bytes: int  # max(source, target) largest local buffer
 
     def __str__(self) -> str:
-        return f"lower bound: max_recv {self.max_recv_bytes} B, peak {self.peak_bytes} B"
+        return f"lower bound: max recv {format_bytes(self.max_recv_bytes)}, peak {format_bytes(self.peak_bytes)}"
 
 
 def mesh_shape_of(mesh) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from dtensor_ext._compat import (
     process_group_of,
     quiet_redistribute_warnings,
 )
+from dtensor_ext.redistribute import engine
 from dtensor_ext.redistribute.layout import Layout, coordinates
 from dtensor_ext.redistribute.placements import format_placements
 from dtensor_ext.redistribute.plan import Step
@@ -82,7 +83,7 @@ def dtensor_steps(shape, mesh_shape, src, dst, dtype, cost_model) -> list[Step]:
             local = mode.rank_map(lambda r: torch.zeros(source.local_shapes[r], dtype=dtype))
             stride = tuple(torch.empty(shape, device="meta").stride())
             tensor = DTensor.from_local(local, mesh, src, run_check=False, shape=torch.Size(shape), stride=stride)
-            with recorder:
+            with recorder, engine.torch_redistribution():  # torch's own plan, also with install(planner=True)
                 try:
                     tensor.redistribute(mesh, dst)
                 except (RuntimeError, ValueError, AssertionError) as exc:

@@ -1,32 +1,54 @@
 """An SVG of a plan: one row per layout (source, then after each step), one tile per rank.
 
-Each tile is the whole tensor (its last two dims; a 1-D tensor is one row) with the part that rank holds filled;
-Partial layouts are drawn lighter because the rank holds only a piece of those values.
+Each tile is the whole tensor, every dim of it: the last dim runs left to right, the others top to bottom in
+row-major order (a (2, 3, 4) tensor is 6 rows of 4), with a thin line between the blocks of the outermost row dim.
+The part the rank holds is filled; Partial layouts are drawn lighter because the rank holds only a piece of those
+values. Under each tile: the rank and its mesh coordinate.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+
 from dtensor_ext._compat import Partial
-from dtensor_ext.redistribute.layout import Layout
+from dtensor_ext.redistribute.layout import Layout, coordinates
 from dtensor_ext.redistribute.placements import format_placements
 from dtensor_ext.redistribute.plan import Plan
 
 __all__ = ["plan_svg"]
 
-_TILE, _GAP, _LABEL = 64, 10, 230
+_TILE, _GAP, _LABEL = 64, 20, 230
 _COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7"]
 
 
 def _rects(block, shape) -> list[tuple[float, float, float, float]]:
-    rows_dim, cols_dim = (len(shape) - 2, len(shape) - 1) if len(shape) >= 2 else (None, 0)
-    n_rows = shape[rows_dim] if rows_dim is not None else 1
-    n_cols = shape[cols_dim] or 1
-    rows = block[rows_dim] if rows_dim is not None else ((0, 1),)
-    out = []
-    for r0, r1 in rows:
-        for c0, c1 in block[cols_dim]:
-            out.append((c0 / n_cols, r0 / max(n_rows, 1), (c1 - c0) / n_cols, (r1 - r0) / max(n_rows, 1)))
-    return out
+    """(x, y, width, height) fractions of a tile covering `block`: rows are the row-major index over every dim
+    but the last, columns the last dim."""
+    if not shape:
+        return [(0.0, 0.0, 1.0, 1.0)]
+    n_cols, row_dims = shape[-1] or 1, shape[:-1]
+    n_rows = max(math.prod(row_dims), 1)
+    row_ranges = []
+    # every index combination of the row dims but the innermost, each with the innermost dim's intervals
+    for outer in itertools.product(*([i for a, b in intervals for i in range(a, b)] for intervals in block[:-2])):
+        base = 0
+        for i, n in zip(outer, row_dims[:-1]):
+            base = base * n + i
+        inner = block[-2] if row_dims else ((0, 1),)
+        inner_size = row_dims[-1] if row_dims else 1
+        row_ranges += [(base * inner_size + a, base * inner_size + b) for a, b in inner]
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(row_ranges):
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        elif b > a:
+            merged.append((a, b))
+    return [
+        (c0 / n_cols, r0 / n_rows, (c1 - c0) / n_cols, (r1 - r0) / n_rows)
+        for r0, r1 in merged
+        for c0, c1 in block[-1]
+    ]
 
 
 def plan_svg(plan: Plan) -> str:
@@ -34,15 +56,15 @@ def plan_svg(plan: Plan) -> str:
         (f"{i}. {s.kind} ({','.join(map(str, s.mesh_dims)) or '-'})", s.after) for i, s in enumerate(plan.steps, 1)
     ]
     states = [(label, placements) for label, placements in states if placements is not None]
-    world = 1
-    for n in plan.mesh_shape:
-        world *= n
+    coords = coordinates(plan.mesh_shape)
+    world = len(coords)
     width = _LABEL + world * (_TILE + _GAP)
     height = len(states) * (_TILE + 2 * _GAP) + 30
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
         'font-size="11">',
-        f'<text x="4" y="16">{plan.planner} plan {plan.shape} on mesh {plan.mesh_shape}</text>',
+        f'<text x="4" y="16">{plan.planner} plan {plan.shape} on mesh {plan.mesh_shape}; tiles: rows = dims '
+        f'{_row_dims(plan.shape)} (row-major), columns = dim {max(len(plan.shape) - 1, 0)}; r(rank) (mesh coordinate)</text>',
     ]
     for row, (label, placements) in enumerate(states):
         y = 30 + row * (_TILE + 2 * _GAP)
@@ -59,6 +81,16 @@ def plan_svg(plan: Plan) -> str:
                     f'height="{fh * _TILE:.1f}" fill="{_COLOURS[rank % len(_COLOURS)]}" '
                     f'fill-opacity="{0.45 if partial else 0.9}"/>'
                 )
-            parts.append(f'<text x="{x + 2}" y="{y + _TILE + 11}">r{rank}</text>')
+            if len(plan.shape) > 2:  # where the outermost row dim's blocks meet
+                per_block = math.prod(plan.shape[1:-1])
+                for i in range(1, plan.shape[0]):
+                    line_y = y + i * per_block / math.prod(plan.shape[:-1]) * _TILE
+                    parts.append(f'<line x1="{x}" y1="{line_y:.1f}" x2="{x + _TILE}" y2="{line_y:.1f}" stroke="#ccc"/>')
+            coord = ",".join(map(str, coords[rank]))
+            parts.append(f'<text x="{x + 2}" y="{y + _TILE + 11}">r{rank} ({coord})</text>')
     parts.append("</svg>")
     return "\n".join(parts)
+
+
+def _row_dims(shape) -> str:
+    return ",".join(map(str, range(len(shape) - 1))) or "-"

@@ -9,7 +9,7 @@ import torch
 from dtensor_ext._compat import Placement
 from dtensor_ext.redistribute.placements import format_placements
 
-__all__ = ["Transfer", "Merge", "Step", "Plan"]
+__all__ = ["Transfer", "Merge", "Step", "Plan", "format_bytes"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,8 @@ class Step:
         if self.before is not None and self.after is not None:
             change = f"{format_placements(self.before)} -> {format_placements(self.after)}"
         return (
-            f"{self.kind:<15} mesh dims ({dims:<5}) {change:<28} recv {_kib(max(self.recv_bytes, default=0))}"
-            f"  buffer {_kib(self.buffer_bytes)}  {self.time_s * 1e6:9.1f} us"
+            f"{self.kind:<15} mesh dims ({dims:<5}) {change:<28} recv {format_bytes(max(self.recv_bytes, default=0))}"
+            f"  buffer {format_bytes(self.buffer_bytes)}  {self.time_s * 1e6:9.1f} us"
         )
 
 
@@ -96,13 +96,12 @@ class Plan:
         if not self.steps:
             lines.append("  (nothing to do)")
         lines.append(
-            f"  total: max recv {_kib(self.max_recv_bytes)}, peak {_kib(self.peak_bytes)}, "
+            f"  total: max recv {format_bytes(self.max_recv_bytes)}, peak {format_bytes(self.peak_bytes)}, "
             f"modelled {self.time_s * 1e6:.1f} us"
         )
         return "\n".join(lines)
 
 
-def _kib(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    return f"{nbytes / 1024:.1f} KiB" if nbytes % 1024 else f"{nbytes // 1024} KiB"
+def format_bytes(nbytes: int) -> str:
+    """One unit everywhere a plan or bound is printed: bytes, with thousands separators."""
+    return f"{nbytes:,} B"

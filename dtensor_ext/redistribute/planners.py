@@ -149,6 +149,24 @@ def _dtensor_like(builder: StepBuilder, state, dst) -> list[Step] | None:
     return steps
 
 
+def _gather_per_dim_then_split(builder: StepBuilder, state, dst) -> list[Step]:
+    """All-reduce the Partials the target drops, gather one mesh dim at a time from the innermost (each step stays
+    in one mesh dim's groups), then cut the target locally: a plan that exists for every request, also where
+    steps may span one mesh dim only (a mesh without dim names)."""
+    steps = []
+    for mesh_dim in reduced_dims(state, dst, builder.mesh_shape):
+        steps.append(builder.all_reduce(state, mesh_dim))
+        state = steps[-1].after
+    for mesh_dim in reversed(range(len(state))):
+        if not isinstance(state[mesh_dim], (Replicate, Partial)):
+            target = replace_placement(state, mesh_dim, Replicate())
+            steps.append(builder.exchange(state, target))
+            state = target
+    if state != dst:
+        steps.append(builder.exchange(state, dst))
+    return steps
+
+
 def _direct(builder: StepBuilder, state, dst) -> list[Step] | None:
     """One step straight to the target: a reduce_exchange where Partials are reduced, an exchange otherwise."""
     step = builder.reduce_exchange(state, dst) if reduced_dims(state, dst, builder.mesh_shape) else None
@@ -181,7 +199,11 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget, 
     def total(steps) -> tuple[float, float]:
         return score([sum(s.recv_bytes[r] for s in steps) for r in range(builder.world)] or [0], sum(s.time_s for s in steps))
 
-    incumbents = [_dtensor_like(builder, start_state, dst), _direct(builder, start_state, dst)]
+    incumbents = [
+        _dtensor_like(builder, start_state, dst),
+        _direct(builder, start_state, dst),
+        _gather_per_dim_then_split(builder, start_state, dst),
+    ]
     incumbents = [steps for steps in incumbents if steps is not None and fits(steps)]
     best = min(incumbents, key=total, default=None)
     best_score = total(best) if best is not None else (float("inf"), float("inf"))
@@ -192,7 +214,7 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget, 
         if any(isinstance(q, Partial) and q != p and not isinstance(p, Replicate) for p, q in zip(state, dst)):
             return None
         builder.work += builder.world
-        return lower_bound(builder.shape, builder.mesh_shape, state, dst, dtype=_dtype_of(builder.itemsize))
+        return lower_bound(builder.shape, builder.mesh_shape, state, dst, dtype=builder.dtype)
 
     min_alpha = builder.cost.min_alpha
 
@@ -244,6 +266,3 @@ def _optimal(builder: StepBuilder, src, dst, max_peak_bytes, objective, budget, 
         raise NoFeasiblePlan(f"no plan from {format_placements(src)} to {format_placements(dst)}{cap}")
     return prefix + best, True
 
-
-def _dtype_of(itemsize: int) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}[itemsize]

@@ -30,7 +30,7 @@ def replace_placement(placements: tuple[Placement, ...], mesh_dim: int, p: Place
 
 class StepBuilder:
     def __init__(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...], dtype: torch.dtype, cost_model):
-        self.shape, self.mesh_shape, self.cost = shape, mesh_shape, cost_model
+        self.shape, self.mesh_shape, self.cost, self.dtype = shape, mesh_shape, cost_model, dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.coords = coordinates(mesh_shape)
         self.world = len(self.coords)

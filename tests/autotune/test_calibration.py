@@ -109,3 +109,22 @@ def test_steps_round_sizes_and_count_received_bytes():
     assert by_name["all_gather/mesh_dims=1/bytes=4096"].received_bytes((2, 4)) == 3 * 4096
     assert by_name["all_gather_over_dims/mesh_dims=0+1/bytes=4096"].received_bytes((2, 4)) == 7 * 4096
     assert [s.collective for s in steps[:2]] == ["all_gather", "all_gather"]  # calibration first
+
+
+def test_the_planner_reads_the_file_without_importing_the_autotuner(tmp_path):
+    """The file format sits below both packages: importing and reading it from the cost model loads no autotune
+    module (before, calibration imported the cost model and the cost model lazily imported calibration)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "calibration.json"
+    write_calibration_entry(path, "gloo/cpu/mesh=2x2/float32", ENTRY)
+    code = (
+        "import sys\n"
+        "from dtensor_ext.redistribute.cost import CalibratedCostModel\n"
+        f"model = CalibratedCostModel.from_file({str(path)!r}, 'gloo/cpu/mesh=2x2/float32')\n"
+        "assert model.per_mesh_dim[1].alpha_s == 3e-5, model.per_mesh_dim\n"
+        "print(sorted(m for m in sys.modules if m.startswith('dtensor_ext.autotune')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -54,7 +54,8 @@ def test_planner_engine_matches_dtensor_forward_and_backward(request):
     t, g = torch.randn(shape), torch.randn(shape)
     with _named(mesh_shape) as mesh:
         try:
-            theirs = _run(mesh, t, g, src, dst)
+            with engine.torch_redistribution():
+                theirs = _run(mesh, t, g, src, dst)
         except (RuntimeError, ValueError, AssertionError) as exc:  # torch refuses some moves; nothing to compare
             note(f"torch failed: {exc}")
             event("torch refused the move")
@@ -73,7 +74,7 @@ def test_planner_engine_matches_dtensor_forward_and_backward(request):
 def test_install_routes_explicit_redistribute_full_tensor_and_dispatch_and_uninstall_restores_torch(monkeypatch):
     ran = []
     execute_local = engine.execute_local
-    monkeypatch.setattr(engine, "execute_local", lambda local, mesh, plan: ran.append(plan) or execute_local(local, mesh, plan))
+    monkeypatch.setattr(engine, "execute_local", lambda local, mesh, plan, choices: ran.append(plan) or execute_local(local, mesh, plan, choices))
     t = torch.randn(64, 48)
     dtensor_ext.install(planner=True)
     try:
@@ -139,10 +140,63 @@ def test_a_step_on_one_mesh_dim_runs_in_every_group_of_that_dim():
     t = torch.randn(4, 6)
     with _named((2, 2)) as mesh:
         x = distribute_tensor(t, mesh, P("S0,S1"))
-        theirs = _values(x.redistribute(mesh, P("S0,R")))
+        with engine.torch_redistribution():
+            theirs = _values(x.redistribute(mesh, P("S0,R")))
         engine.enable()
         try:
             ours = _values(x.redistribute(mesh, P("S0,R")))
         finally:
             engine.disable()
     assert all(torch.equal(ours[r], theirs[r]) for r in theirs)
+
+
+def test_unnamed_4d_mesh_plans_one_mesh_dim_at_a_time():
+    """On a mesh without dim names every step must stay in one mesh dim's groups; where neither DTensor's order
+    nor one direct step does (nested S0 shards change which ranks hold what), gathering dim by dim and cutting
+    locally still does. Before, these raised NoFeasiblePlan (found by the suite under DTENSOR_EXT_PLANNER=1)."""
+    t = torch.randn(8, 6)
+    for src, dst in [("S1,P(sum),S0,R", "S0,S1,R,S0"), ("S0,S0,S0,S0", "S0,S1,S0,R")]:
+        chosen = plan(t.shape, (2, 2, 2, 2), P(src), P(dst), objective="bytes", max_step_dims=1)
+        assert all(len(s.mesh_dims) <= 1 for s in chosen.steps), chosen
+        with simulated_mesh((2, 2, 2, 2)) as mesh:
+            x = placed_dtensor(mesh, t, P(src))
+            with engine.torch_redistribution():
+                theirs = _values(x.redistribute(mesh, P(dst)))
+            engine.enable()
+            try:
+                ours = _values(x.redistribute(mesh, P(dst)))
+            finally:
+                engine.disable()
+        assert all(torch.allclose(ours[r], theirs[r], atol=1e-5) for r in theirs), (src, dst)
+
+
+def test_a_plain_local_tensor_under_simulated_ranks():
+    """LocalTensorMode keeps a plain tensor where every rank holds the same (a replicated weight handed to
+    from_local); the executor reads it as every rank's (found by tests/policy under DTENSOR_EXT_PLANNER=1)."""
+    t = torch.randn(4, 6)
+    with _named((2,)) as mesh:
+        x = DTensor.from_local(t, mesh, P("R"), run_check=False)
+        assert _compat.local_tensor_values(x._local_tensor) is None  # the case under test
+        engine.enable()
+        try:
+            y = x.redistribute(mesh, P("S0"))
+        finally:
+            engine.disable()
+        ours = _values(y)
+    assert torch.equal(ours[0], t[:2]) and torch.equal(ours[1], t[2:])
+
+
+def test_complex_and_every_itemsize_plan_and_run():
+    """complex128 (16-byte elements) had no plan: the search mapped item sizes back to a dtype and knew none of
+    16 bytes (found by torch's strategy validator on aten.complex under DTENSOR_EXT_PLANNER=1)."""
+    for dtype in (torch.complex128, torch.complex64, torch.bfloat16, torch.int8, torch.float64):
+        t = torch.arange(50).reshape(10, 5).to(dtype)
+        with _named((2,)) as mesh:
+            x = distribute_tensor(t, mesh, P("S0"))
+            engine.enable()
+            try:
+                y = x.full_tensor()
+            finally:
+                engine.disable()
+        assert y.dtype == dtype and torch.equal(y, t), dtype
+    assert plan((10, 5), (2,), P("S0"), P("R"), dtype=torch.complex128).max_recv_bytes == 25 * 16

@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from dtensor_ext.redistribute import parse_placements, redistribute
+    from dtensor_ext.redistribute import engine, parse_placements, redistribute
     from dtensor_ext.redistribute.layout import Layout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -44,7 +44,8 @@ def _worker(rank: int, world: int, port: int) -> None:
             if any(p.is_partial() for p in src_p):
                 local = local + torch.randn(local.shape)
             x = DTensor.from_local(local, mesh, src_p, run_check=False, shape=full.shape, stride=full.stride())
-            theirs = x.redistribute(mesh, dst_p)
+            with engine.torch_redistribution():  # the reference, also under DTENSOR_EXT_PLANNER=1
+                theirs = x.redistribute(mesh, dst_p)
             for objective in ("time", "bytes"):  # the bytes objective picks reduce_exchange for the Partial cases
                 ours = redistribute(x, dst_p, objective=objective)
                 assert ours.placements == theirs.placements
@@ -93,8 +94,51 @@ def _any_mesh_through_dtensor(rank: int) -> None:
         expected = _cut(full, Layout(full.shape, tuple(mesh.shape), dst_p).blocks[index])
         assert torch.equal(y.to_local(), expected) and torch.equal(gathered, full), (mesh, src, dst, rank)
         if mesh.mesh_dim_names in (("tp",), ("dp",)):  # contiguous: torch's own result is the reference too
-            assert torch.equal(x.redistribute(mesh, dst_p).to_local(), expected)
+            with engine.torch_redistribution():
+                assert torch.equal(x.redistribute(mesh, dst_p).to_local(), expected)
 
 
 def test_executor_on_four_gloo_ranks():
     mp.start_processes(_worker, args=(4, _free_port()), nprocs=4, join=True, start_method="spawn")
+
+
+def _send_recv_worker(rank: int, world: int, port: int, calibration: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from dtensor_ext.redistribute import engine, parse_placements, plan, redistribute
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        full = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+        src, dst = parse_placements("S0,S1"), parse_placements("S0,S0")
+        assert [(s.kind, s.mesh_dims) for s in plan(full.shape, (2, 2), src, dst).steps] == [("permute", (1,))]
+        x = distribute_tensor(full, mesh, src)
+        with engine.torch_redistribution():
+            expected = x.redistribute(mesh, dst).to_local()
+        ran = {}
+        for name, path in (("default", None), ("calibrated", calibration)):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                y = redistribute(x, dst, calibration=path)
+            assert torch.equal(y.to_local(), expected), (name, rank)
+            events = [e.name for e in prof.events()]
+            ran[name] = {kind: events.count(f"gloo:{kind}") for kind in ("all_to_all", "send", "recv")}
+        assert ran == {
+            "default": {"all_to_all": 1, "send": 0, "recv": 0},
+            "calibrated": {"all_to_all": 0, "send": 1, "recv": 1},  # one partner on mesh dim 1
+        }, (ran, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_calibrated_send_recv_replaces_all_to_all_on_four_gloo_ranks(tmp_path):
+    """A hand-written calibration entry that measured send/recv faster on mesh dim 1: the executor's exchange on
+    that dim runs as isend/irecv pairs (counted by the profiler), with the values torch's redistribute gives."""
+    from dtensor_ext.redistribute.calibration_file import CalibrationEntry, Choice, write_calibration_entry
+
+    path = tmp_path / "calibration.json"
+    choice = Choice("send_recv", 1e-4, False, None)
+    write_calibration_entry(path, "gloo/cpu/mesh=2x2/float32", CalibrationEntry({}, {"all_to_all/mesh_dims=1/bytes=4096": choice}))
+    mp.start_processes(_send_recv_worker, args=(4, _free_port(), str(path)), nprocs=4, join=True, start_method="spawn")
