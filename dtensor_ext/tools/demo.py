@@ -39,7 +39,7 @@ from dtensor_ext.tools.comm_stats import CommStatsMode
 BATCH_PER_DP_RANK, SEQ, LR = 2, 16, 1e-2
 
 
-def demo_config(dense: bool = False, layers: int = 4) -> LlamaConfig:
+def demo_config(dense: bool = False, layers: int = 2) -> LlamaConfig:
     return LlamaConfig(vocab_size=64, dim=32, n_heads=4, hidden_dim=32, n_layers=layers,
                        n_experts=0 if dense else 4, top_k=2)
 
@@ -227,9 +227,9 @@ def _op_name(op: str) -> str:
     return f"{namespace}::{name}.{overload or 'default'}"
 
 
-def run_demo(mesh_shape=(2, 2), steps: int = 20, dense: bool = False, layers: int = 4, with_package: bool = True,
+def run_demo(mesh_shape=(2, 2), steps: int = 10, dense: bool = False, layers: int = 2, with_package: bool = True,
              compare_torch: bool = True, seed: int = 0, svg: Path | None = None, progress=_print_progress,
-             real_ranks: bool = False) -> DemoReport:
+             real_ranks: bool = False, planner: bool = True) -> DemoReport:
     mesh_shape = tuple(mesh_shape)
     cfg = demo_config(dense, layers)
     check_mesh(mesh_shape, cfg)
@@ -242,7 +242,7 @@ def run_demo(mesh_shape=(2, 2), steps: int = 20, dense: bool = False, layers: in
     jobs = {}
     for use_package in ([True, False] if with_package and compare_torch else [with_package]):
         was_installed, planner_was_on = dtensor_ext.is_installed(), engine.is_enabled()
-        dtensor_ext.install(planner=True) if use_package else dtensor_ext.uninstall()
+        dtensor_ext.install(planner=planner) if use_package else dtensor_ext.uninstall()
         try:
             job = jobs[use_package] = JobResult()
             with _mesh(mesh_shape, real_ranks) as mesh:
@@ -311,8 +311,8 @@ def format_report(r: DemoReport) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", type=str, default="2,2", help="mesh shape: 'tp' or 'dp,tp' (default 2,2)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
-    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
     parser.add_argument("--dense", action="store_true", help="dense SwiGLU feed-forwards instead of experts")
     parser.add_argument("--compile", action="store_true", help="torch.compile the sharded model (where torch can)")
     parser.add_argument("--no-package", action="store_true", help="torch alone: the package uninstalled")

@@ -66,3 +66,15 @@ def test_impossible_mesh_is_refused_with_the_reason(shape, message):
 def test_cli_rejects_a_malformed_mesh():
     out = subprocess.run([sys.executable, "-m", "dtensor_ext", "demo", "--mesh", "2,x"], capture_output=True, text=True)
     assert out.returncode != 0 and "--mesh '2,x'" in out.stderr
+
+
+def test_torchrun_runs_the_demo_on_four_gloo_ranks(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "dtensor_ext", "demo",
+         "--steps", "1", "--layers", "1", "--svg", str(tmp_path / "demo.svg")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "2x2 (dp, tp) mesh of real gloo ranks" in out.stdout and "OK: matches one device" in out.stdout
+    assert out.stdout.count("AdamW steps on") == 1  # only rank 0 reports
+    ET.parse(tmp_path / "demo.svg")
