@@ -150,7 +150,8 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:150]}"
 
 
-def _train(job: JobResult, model, reference, mesh, batches, with_package: bool, progress, label: str) -> None:
+def _train(job: JobResult, model, reference, mesh, batches, with_package: bool, progress, label: str,
+           compile: bool = False) -> None:
     """Trains `model` on the mesh and `reference` on one device in lockstep; stops at the first exception."""
     start = time.perf_counter()
     dp = mesh.size(0) if mesh.ndim == 2 else 1
@@ -159,6 +160,8 @@ def _train(job: JobResult, model, reference, mesh, batches, with_package: bool, 
     try:
         _parallelize(model, mesh, batches[0][0][: BATCH_PER_DP_RANK], with_package)
         _unshare_replicas(model)
+        if compile:
+            model.forward = torch.compile(model.forward)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, foreach=True)
         for step, (tokens, targets) in enumerate(batches, 1):
@@ -229,7 +232,7 @@ def _op_name(op: str) -> str:
 
 def run_demo(mesh_shape=(2, 2), steps: int = 10, dense: bool = False, layers: int = 2, with_package: bool = True,
              compare_torch: bool = True, seed: int = 0, svg: Path | None = None, progress=_print_progress,
-             real_ranks: bool = False, planner: bool = True) -> DemoReport:
+             real_ranks: bool = False, planner: bool = True, compile: bool = False) -> DemoReport:
     mesh_shape = tuple(mesh_shape)
     cfg = demo_config(dense, layers)
     check_mesh(mesh_shape, cfg)
@@ -247,7 +250,7 @@ def run_demo(mesh_shape=(2, 2), steps: int = 10, dense: bool = False, layers: in
             job = jobs[use_package] = JobResult()
             with _mesh(mesh_shape, real_ranks) as mesh:
                 _train(job, copy.deepcopy(initial), copy.deepcopy(initial), mesh, batches, use_package, progress,
-                       "dtensor_ext" if use_package else "torch alone")
+                       "dtensor_ext" if use_package else "torch alone", compile)
         finally:
             dtensor_ext.install(planner=planner_was_on) if was_installed else dtensor_ext.uninstall()
     package = jobs.get(True) or jobs[False]
@@ -336,19 +339,19 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--mesh {args.mesh}: {math.prod(mesh_shape)} ranks, but torchrun started {world}")
         dist.init_process_group("gloo")
         torch.set_num_threads(1)
-    if args.compile:
-        raise SystemExit(
-            "--compile: torch.compile cannot trace this job: on simulated ranks torch 2.13/2.15 fail to compile "
-            "LocalTensor DTensor programs, and on real ranks a 2-D all-DTensor model does not compile "
-            "(docs/model-zoo.md); see examples/sequence_parallel_training.py for sequence parallelism under "
-            "torch.compile on gloo ranks")
     rank0 = not real_ranks or dist.get_rank() == 0
     try:
         report = run_demo(mesh_shape, steps=args.steps, dense=args.dense, layers=args.layers,
                           with_package=not args.no_package, seed=args.seed, svg=args.svg if rank0 else None,
-                          progress=_print_progress if rank0 else (lambda *a: None), real_ranks=real_ranks)
+                          progress=_print_progress if rank0 else (lambda *a: None), real_ranks=real_ranks,
+                          compile=args.compile)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    except Exception as e:
+        if not args.compile:
+            raise
+        raise SystemExit(f"--compile: torch.compile cannot run this job on {'real' if real_ranks else 'simulated'} "
+                         f"ranks with torch {torch.__version__}: {_short(e)}") from e
     finally:
         if real_ranks:
             dist.destroy_process_group()
