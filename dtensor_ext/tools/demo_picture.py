@@ -14,7 +14,7 @@ def _panel(x0: int, title: str, series: dict[str, list[float]], y_label: str, ba
     values = [v for vs in series.values() for v in vs] or [0.0]
     lo, hi = (0.0, max(values)) if bars else (min(values), max(values))
     hi = hi if hi > lo else lo + 1.0
-    steps = max((len(vs) for vs in series.values()), default=1)
+    steps = max((len(vs) for vs in series.values()), default=0) or 1
     width, height = W - 2 * PAD, H - 2 * PAD
 
     def x(i: float) -> float:
