@@ -11,7 +11,7 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("dtensor_ext.tools.demo", "tensor-parallel transformer block on a simulated mesh vs one device"),
+    "demo": ("dtensor_ext.tools.demo", "an MoE Llama trained on a (dp, tp) mesh from its YAML policy vs one device"),
     "coverage": ("dtensor_ext.tools.coverage", "the rule registry per family (text or JSON)"),
     "autotune": ("dtensor_ext.autotune.cli", "time collective implementations on this job's ranks (under torchrun)"),
     "validate": ("dtensor_ext.tools.rule_validation", "torch's strategy validator over every OpInfo reaching our rules/fixes"),

@@ -1,175 +1,227 @@
-"""`python -m dtensor_ext demo`: a tensor-parallel transformer block on a simulated mesh, checked against one device.
+"""`python -m dtensor_ext demo`: an MoE Llama trained on a (dp, tp) mesh from its shipped YAML policy, step by step
+against the same model on one device, with the package and with torch alone.
 
-The block (causal SDPA attention, RMSNorm, SwiGLU MLP) is sharded Megatron-style with `parallelize_module`: q/k/v and the MLP's
-gate/up projections column-parallel, the output projections row-parallel. Forward and backward run on every rank
-of the simulated mesh; the loss and every gradient are compared with the same block on one device.
+The model is `dtensor_ext.models.TinyLlama` (MoE feed-forwards unless `--dense`), parallelized by
+`dtensor_ext.policy.parallelize` from `policies/llama_tp_sp.yaml` (tensor + sequence parallel on the tp mesh dim)
+plus `MoETensorParallel` for the experts; the batch is sharded on dp and gradients are averaged over dp in one
+bucketed all-reduce, as DDP does. Torch alone runs the same job with torchtitan's hand-written plan
+(`torchtitan_plan`) and the package uninstalled. Collectives are counted by `comm_stats` and by torch's
+CommDebugMode from what ran. On simulated ranks (default) every rank lives in this process; under
+`torchrun --nproc-per-node N` the ranks are real gloo processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
+import os
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_ext
-from dtensor_ext._compat import local_tensor_values
-from dtensor_ext.tools.comm_stats import CommStatsMode
+from dtensor_ext._compat import LocalTensor, enabled_local_tensor_mode, local_tensor_values
+from dtensor_ext.models import LlamaConfig, TinyLlama, moe_tensor_parallel_plan, torchtitan_plan
+from dtensor_ext.redistribute import engine
 from dtensor_ext.testing.mesh import simulated_mesh
+from dtensor_ext.tools.comm_stats import CommStatsMode
+
+BATCH_PER_DP_RANK, SEQ, LR = 2, 16, 1e-2
 
 
-@dataclass(frozen=True)
-class BlockConfig:
-    dim: int = 64
-    heads: int = 8
-    hidden: int = 128
-    batch: int = 2
-    seq: int = 16
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: BlockConfig):
-        super().__init__()
-        self.head_dim = cfg.dim // cfg.heads
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds heads / tp of them
-        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(attn.transpose(1, 2).reshape(b, s, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: BlockConfig):
-        super().__init__()
-        self.gate = nn.Linear(cfg.dim, cfg.hidden, bias=False)
-        self.up = nn.Linear(cfg.dim, cfg.hidden, bias=False)
-        self.down = nn.Linear(cfg.hidden, cfg.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: BlockConfig):
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.dim)
-        self.attn = Attention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.dim)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x))
-        return h + self.mlp(self.mlp_norm(h))
-
-
-# The residual stream stays a replicated DTensor; inside attention and the MLP ranks work on local head/hidden slices.
-TP_PLAN = {
-    "attn.wq": ColwiseParallel(),
-    "attn.wk": ColwiseParallel(),
-    "attn.wv": ColwiseParallel(),
-    "attn.wo": RowwiseParallel(use_local_output=False),
-    "mlp.gate": ColwiseParallel(),
-    "mlp.up": ColwiseParallel(),
-    "mlp.down": RowwiseParallel(use_local_output=False),
-}
-
-
-# The same plan on a 2-D (dp, tp) mesh, written as placements: (data-parallel dim, tensor-parallel dim).
-TP_DIMS_2D = {"attn.wq": 0, "attn.wk": 0, "attn.wv": 0, "attn.wo": 1, "mlp.gate": 0, "mlp.up": 0, "mlp.down": 1}
-
-
-def check_mesh(mesh_shape: tuple[int, ...], cfg: BlockConfig) -> None:
-    if not 1 <= len(mesh_shape) <= 2 or any(d < 1 for d in mesh_shape):
-        raise ValueError(
-            f"mesh {mesh_shape}: expected (tp,) or (dp, tp) with positive sizes, e.g. (4,) or (2, 2)"
-        )
-    tp = mesh_shape[-1]
-    for what, size in (("heads", cfg.heads), ("hidden", cfg.hidden)):
-        if size % tp:
-            raise ValueError(
-                f"mesh {mesh_shape}: {what}={size} must be a multiple of the {tp} tensor-parallel ranks "
-                f"(tensor-parallel sizes that fit: {[r for r in range(1, cfg.heads + 1) if cfg.heads % r == 0]})"
-            )
-    if len(mesh_shape) == 2 and cfg.batch < mesh_shape[0]:
-        raise ValueError(f"mesh {mesh_shape}: batch={cfg.batch} is smaller than the {mesh_shape[0]} data-parallel ranks")
-
-
-def _shard_2d(model: Block, mesh) -> None:
-    """dp x tp: weights replicated over dp and sharded over tp as in TP_PLAN; DTensor propagation does the rest."""
-    for name, module in model.named_modules():
-        for pname, param in list(module.named_parameters(recurse=False)):
-            tp_dim = TP_DIMS_2D.get(name)
-            placements = [Replicate(), Replicate() if tp_dim is None else Shard(tp_dim)]
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param.data, mesh, placements)))
+def demo_config(dense: bool = False, layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(vocab_size=64, dim=32, n_heads=4, hidden_dim=32, n_layers=layers,
+                       n_experts=0 if dense else 4, top_k=2)
 
 
 @dataclass
-class DemoResult:
-    mesh_shape: tuple[int, ...]
+class StepStats:
     loss: float
     reference_loss: float
-    max_grad_error: float
-    max_output_error: float
-    sharded_ops: dict
-    collectives: dict
-    payload_bytes: dict
+    grad_error: float
+    collectives: dict  # kind -> calls (comm_stats)
+    payload_bytes: dict  # kind -> bytes each rank contributed
+    commdebug_count: int  # the same collectives counted by torch's CommDebugMode
+
+    @property
+    def loss_error(self) -> float:
+        return abs(self.loss - self.reference_loss)
+
+
+@dataclass
+class JobResult:
+    steps: list[StepStats] = field(default_factory=list)
+    ops: Counter = field(default_factory=Counter)  # DTensor op -> calls
+    failure: str | None = None  # "step N: ExceptionType: first line"
+    seconds: float = 0.0
+
+
+@dataclass
+class DemoReport:
+    mesh_shape: tuple[int, ...]
+    config: LlamaConfig
+    real_ranks: bool
+    package: JobResult
+    torch_alone: JobResult | None
+    package_ops: dict  # op -> calls, for ops that ran through the package's rules or torch fixes
     seconds: float
-    rules_used: list
+    svg: Path | None = None
 
 
-def run_demo(mesh_shape: tuple[int, ...] = (4,), cfg: BlockConfig = BlockConfig(), seed: int = 0) -> DemoResult:
-    mesh_shape = tuple(mesh_shape)
-    check_mesh(mesh_shape, cfg)
+def check_mesh(mesh_shape: tuple[int, ...], cfg: LlamaConfig) -> None:
+    if not 1 <= len(mesh_shape) <= 2 or any(d < 1 for d in mesh_shape):
+        raise ValueError(f"mesh {mesh_shape}: expected (tp,) or (dp, tp) with positive sizes, e.g. (4,) or (2, 2)")
+    tp = mesh_shape[-1]
+    for what, size in (("n_heads", cfg.n_heads), ("sequence", SEQ), ("vocab_size", cfg.vocab_size),
+                       ("hidden_dim", cfg.hidden_dim)):
+        if size % tp:
+            raise ValueError(f"mesh {mesh_shape}: {what}={size} must be a multiple of the {tp} tensor-parallel ranks")
+
+
+def _values(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every simulated rank's value of `t` (one value on a real rank)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    values = local_tensor_values(t)
+    return list(values.values()) if values else [t]
+
+
+def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return max(float((v.detach() - expected.detach()).abs().max()) for v in _values(got))
+
+
+def _average_gradients_over_dp(model: torch.nn.Module, mesh) -> None:
+    """DDP's bucketed all-reduce by hand: every rank's gradient as its parameter's layout, averaged over dp."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    if mesh.ndim == 1:
+        return
+    locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in locals_])
+    flat = funcol.all_reduce(flat, "sum", (mesh, 0)) / mesh.size(0)
+    for p, chunk in zip(params, flat.split([g.numel() for g in locals_])):
+        chunk = chunk.view_as(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        p.grad = (DTensor.from_local(chunk, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                  if isinstance(p, DTensor) else chunk)
+
+
+def _parallelize(model: TinyLlama, mesh, tokens: torch.Tensor, with_package: bool) -> None:
+    tp_mesh = mesh["tp"] if mesh.ndim == 2 else mesh
+    if with_package:
+        from dtensor_ext.policy import parallelize
+
+        parallelize(model, mesh, (tokens,), constraints=model.config.policy_file)
+        parallelize_module(model, tp_mesh, moe_tensor_parallel_plan(model))
+    else:
+        parallelize_module(model, tp_mesh, torchtitan_plan(model.config))
+
+
+def _unshare_replicas(model: torch.nn.Module) -> None:
+    """On simulated ranks a replicated DTensor may hold one plain tensor for every rank (`distribute_tensor`,
+    torch's SequenceParallel); an optimizer's in-place update with a per-rank gradient then updates that one
+    tensor once per rank. Each rank gets its own copy; real ranks already have theirs."""
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        return
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor) and local_tensor_values(param.to_local()) is None:
+                local = param.to_local().detach()
+                own = DTensor.from_local(LocalTensor({r: local.clone() for r in mode.ranks}), param.device_mesh,
+                                         param.placements, run_check=False, shape=param.shape, stride=param.stride())
+                module.register_parameter(name, torch.nn.Parameter(own, requires_grad=param.requires_grad))
+
+
+def _short(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    first = next((line for line in lines if line.strip()), "")
+    return f"{type(e).__name__}: {first[:150]}"
+
+
+def _train(job: JobResult, model, reference, mesh, batches, with_package: bool, progress, label: str,
+           compile: bool = False) -> None:
+    """Trains `model` on the mesh and `reference` on one device in lockstep; stops at the first exception."""
     start = time.perf_counter()
-    torch.manual_seed(seed)
-    reference = Block(cfg)
-    model = copy.deepcopy(reference)
-    x = torch.randn(cfg.batch, cfg.seq, cfg.dim)
-    target = torch.randn(cfg.batch, cfg.seq, cfg.dim)
+    dp = mesh.size(0) if mesh.ndim == 2 else 1
+    batch_layout = [Shard(0), Replicate()] if mesh.ndim == 2 else [Replicate()]
+    step = 0
+    try:
+        _parallelize(model, mesh, batches[0][0][: BATCH_PER_DP_RANK], with_package)
+        _unshare_replicas(model)
+        if compile:
+            model.forward = torch.compile(model.forward)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, foreach=True)
+        for step, (tokens, targets) in enumerate(batches, 1):
+            ref_loss = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten())
+            ref_loss.backward()
+            local_tokens = distribute_tensor(tokens, mesh, batch_layout).to_local()  # this rank's dp slice
+            local_targets = distribute_tensor(targets, mesh, batch_layout).to_local()
+            with CommDebugMode() as debug, CommStatsMode() as stats:
+                loss = F.cross_entropy(model(local_tokens).flatten(0, 1), local_targets.flatten())
+                loss.backward()
+                _average_gradients_over_dp(model, mesh)
+            job.ops.update(stats.stats.sharded_ops)
+            job.ops.update(stats.stats.replicated_ops)
+            if dp > 1:
+                loss = funcol.all_reduce(loss.detach(), "sum", (mesh, 0)) / dp
+            grad_error = max(_max_error(p.grad, reference.get_parameter(n).grad) for n, p in model.named_parameters())
+            job.steps.append(StepStats(
+                max(float(v) for v in _values(loss)), ref_loss.item(), grad_error, dict(stats.stats.collectives),
+                dict(stats.stats.payload_bytes), sum(debug.get_comm_counts().values())))
+            optimizer.step(), ref_optimizer.step()
+            optimizer.zero_grad(), ref_optimizer.zero_grad()
+            progress(label, step, len(batches), job.steps[-1])
+    except Exception as e:  # torch alone is expected to fail: record what failed, where
+        if with_package:
+            raise
+        job.failure = f"step {step}: {_short(e)}"
+        progress(label, step, len(batches), None)
+    job.seconds = time.perf_counter() - start
 
-    ref_out = reference(x)
-    ref_loss = F.mse_loss(ref_out, target)
-    ref_loss.backward()
 
-    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
-    with simulated_mesh(mesh_shape, mesh_dim_names=names) as mesh:
-        if len(mesh_shape) == 1:
-            parallelize_module(model, mesh, TP_PLAN)
-            for norm in (model.attn_norm, model.mlp_norm):  # norms: replicated parameters on the same mesh
-                distribute_module(norm, mesh)
-            batch_layout = [Replicate()]
-        else:
-            _shard_2d(model, mesh)
-            batch_layout = [Shard(0), Replicate()]
-        with CommStatsMode() as mode:
-            out = model(distribute_tensor(x, mesh, batch_layout))
-            loss = F.mse_loss(out, distribute_tensor(target, mesh, batch_layout))
-            loss.backward()
-        out_err = _max_error(out, ref_out)
-        grad_err = max(
-            _max_error(p.grad, reference.get_parameter(n).grad) for n, p in model.named_parameters()
-        )
-        loss_value = _rank0(loss)
+def _print_progress(label: str, step: int, steps: int, s: StepStats | None) -> None:
+    if s is None:
+        print(f"  [{label}] step {step}/{steps} failed", flush=True)
+        return
+    kib = sum(s.payload_bytes.values()) / 1024
+    print(f"  [{label}] step {step:>2}/{steps}  loss {s.loss:.4f} (one device {s.reference_loss:.4f})  "
+          f"|grad err| {s.grad_error:.1e}  {sum(s.collectives.values())} collectives, {kib:.1f} KiB/rank", flush=True)
 
-    stats = mode.stats
-    ours = {e.op for e in dtensor_ext.registry() if e.status in ("added", "upgraded")}
-    used = sorted(op for op in stats.sharded_ops if _op_name(op) in ours)
-    return DemoResult(
-        mesh_shape, loss_value, ref_loss.item(), grad_err, out_err, dict(stats.sharded_ops), dict(stats.collectives),
-        dict(stats.payload_bytes), time.perf_counter() - start, used,
-    )
+
+def _batches(cfg: LlamaConfig, dp: int, steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed + 1)
+    shape = (BATCH_PER_DP_RANK * dp, SEQ)
+    return [(torch.randint(0, cfg.vocab_size, shape, generator=gen),
+             torch.randint(0, cfg.vocab_size, shape, generator=gen)) for _ in range(steps)]
+
+
+def _mesh(mesh_shape: tuple[int, ...], real_ranks: bool):
+    names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
+    if real_ranks:
+        from contextlib import nullcontext
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return nullcontext(init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
+    return simulated_mesh(mesh_shape, mesh_dim_names=names)
+
+
+def _package_ops(ops: Counter) -> dict:
+    ours = {e.op: e.status for e in dtensor_ext.registry() if e.status in ("added", "upgraded", "fixed")}
+    return {op: n for op, n in sorted(ops.items()) if _op_name(op) in ours}
 
 
 def _op_name(op: str) -> str:
@@ -178,68 +230,136 @@ def _op_name(op: str) -> str:
     return f"{namespace}::{name}.{overload or 'default'}"
 
 
-def _rank0(t: torch.Tensor) -> float:
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    values = local_tensor_values(t)
-    return float(values[0] if values else t)
+def run_demo(mesh_shape=(2, 2), steps: int = 10, dense: bool = False, layers: int = 2, with_package: bool = True,
+             compare_torch: bool = True, seed: int = 0, svg: Path | None = None, progress=_print_progress,
+             real_ranks: bool = False, planner: bool = True, compile: bool = False) -> DemoReport:
+    mesh_shape = tuple(mesh_shape)
+    cfg = demo_config(dense, layers)
+    check_mesh(mesh_shape, cfg)
+    if steps < 1:
+        raise ValueError(f"steps={steps}: expected at least 1")
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    initial = TinyLlama(cfg)  # built (and the batches made) before any simulated mesh: per-rank values inside
+    batches = _batches(cfg, mesh_shape[0] if len(mesh_shape) == 2 else 1, steps, seed)
+    jobs = {}
+    for use_package in ([True, False] if with_package and compare_torch else [with_package]):
+        was_installed, planner_was_on = dtensor_ext.is_installed(), engine.is_enabled()
+        dtensor_ext.install(planner=planner) if use_package else dtensor_ext.uninstall()
+        try:
+            job = jobs[use_package] = JobResult()
+            with _mesh(mesh_shape, real_ranks) as mesh:
+                _train(job, copy.deepcopy(initial), copy.deepcopy(initial), mesh, batches, use_package, progress,
+                       "dtensor_ext" if use_package else "torch alone", compile)
+        finally:
+            dtensor_ext.install(planner=planner_was_on) if was_installed else dtensor_ext.uninstall()
+    package = jobs.get(True) or jobs[False]
+    report = DemoReport(mesh_shape, cfg, real_ranks, package, jobs.get(False) if with_package else None,
+                        _package_ops(package.ops) if with_package else {}, time.perf_counter() - start)
+    if svg is not None:
+        from dtensor_ext.tools.demo_picture import write_svg
+
+        report.svg = write_svg(report, svg)
+    return report
 
 
-def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    if isinstance(got, DTensor):
-        got = got.full_tensor()
-    pieces = list((local_tensor_values(got) or {0: got}).values())
-    return max(float((p.detach() - expected.detach()).abs().max()) for p in pieces)
+def _bytes(s: StepStats) -> int:
+    return sum(s.payload_bytes.values())
 
 
-def format_result(r: DemoResult) -> str:
+def _collectives(s: StepStats) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(s.collectives.items())) or "none"
+
+
+def format_report(r: DemoReport) -> str:
+    cfg, pkg = r.config, r.package
+    kind = f"MoE Llama ({cfg.n_experts} experts, top-{cfg.top_k})" if cfg.n_experts else "dense Llama"
+    ranks = "real gloo ranks" if r.real_ranks else "simulated ranks"
+    mesh = "x".join(map(str, r.mesh_shape))
     lines = [
-        f"transformer block on a simulated {'x'.join(map(str, r.mesh_shape))}{'-rank' if len(r.mesh_shape) == 1 else ''} mesh "
-        f"({'tensor parallel' if len(r.mesh_shape) == 1 else 'data x tensor parallel'}) vs one device "
-        f"({r.seconds:.1f}s)",
-        f"  loss {r.loss:.6f} (one device {r.reference_loss:.6f}); max |output error| {r.max_output_error:.2e}; "
-        f"max |grad error| {r.max_grad_error:.2e}",
-        f"  ops that ran on sharded inputs: {sum(r.sharded_ops.values())} calls of {len(r.sharded_ops)} ops",
+        f"{kind}, {cfg.n_layers} layers, dim {cfg.dim}: {len(pkg.steps)} AdamW steps on a {mesh} "
+        f"{'(dp, tp)' if len(r.mesh_shape) == 2 else '(tp)'} mesh of {ranks} vs one device ({r.seconds:.1f} s)",
     ]
-    for op, n in sorted(r.sharded_ops.items()):
-        lines.append(f"    {op:<40} x{n}")
-    lines.append("  collectives (per rank payload):")
-    for kind, n in sorted(r.collectives.items()):
-        lines.append(f"    {kind:<16} x{n:<3} {r.payload_bytes[kind] / 1024:.1f} KiB")
-    if r.rules_used:
-        lines.append(f"  sharded through dtensor_ext rules: {', '.join(r.rules_used)}")
+    if pkg.steps:
+        lines.append(
+            f"  max |loss error| {max(s.loss_error for s in pkg.steps):.1e}, max |grad error| "
+            f"{max(s.grad_error for s in pkg.steps):.1e} over {len(pkg.steps)} steps "
+            f"(loss {pkg.steps[0].loss:.3f} -> {pkg.steps[-1].loss:.3f})")
+    if pkg.failure:
+        lines.append(f"  FAILED at {pkg.failure}")
+    if r.package_ops:
+        lines.append(f"  ops through dtensor_ext's rules and torch fixes ({sum(r.package_ops.values())} calls):")
+        lines += [f"    {op:<52} x{n}" for op, n in r.package_ops.items()]
+    if pkg.steps:
+        s = pkg.steps[-1]
+        label = "with dtensor_ext (planner, sequence parallel)" if r.torch_alone is not None or r.package_ops else \
+            "torch alone"
+        lines.append(f"  per step {label}: {_collectives(s)}; {_bytes(s):,} bytes per rank "
+                     f"(CommDebugMode counts {s.commdebug_count})")
+    t = r.torch_alone
+    if t is not None:
+        if t.failure:
+            lines.append(f"  torch alone (torchtitan's plan, package uninstalled): fails at {t.failure}")
+        if t.steps:
+            worst_loss = max(s.loss_error for s in t.steps)
+            worst_grad = max(s.grad_error for s in t.steps)
+            verdict = "WRONG" if max(worst_loss, worst_grad) > 1e-3 else "matches"
+            lines.append(f"  torch alone: {len(t.steps)} steps ran, {verdict}: max |loss error| {worst_loss:.1e}, "
+                         f"max |grad error| {worst_grad:.1e}; per step {_collectives(t.steps[-1])}; "
+                         f"{_bytes(t.steps[-1]):,} bytes per rank")
+    if r.svg is not None:
+        lines.append(f"  picture: {r.svg}")
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=None, help="tensor-parallel ranks of a 1-D mesh (default 4)")
-    parser.add_argument("--mesh", type=str, default=None, help="mesh shape: 'tp' or 'dp,tp', e.g. 4 or 2,2")
+    parser.add_argument("--mesh", type=str, default="2,2", help="mesh shape: 'tp' or 'dp,tp' (default 2,2)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    parser.add_argument("--dense", action="store_true", help="dense SwiGLU feed-forwards instead of experts")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the sharded model (where torch can)")
+    parser.add_argument("--no-package", action="store_true", help="torch alone: the package uninstalled")
+    parser.add_argument("--svg", type=Path, default=Path("dtensor_ext_demo.svg"), help="where to write the picture")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--fast-propagation", action="store_true", help="expand single-dim rules with dtensor_ext's search"
-    )
 
 
-def parse_mesh(args: argparse.Namespace) -> tuple[int, ...]:
-    if args.mesh is None:
-        return (4 if args.ranks is None else args.ranks,)
+def parse_mesh(text: str) -> tuple[int, ...]:
     try:
-        shape = tuple(int(s) for s in args.mesh.split(","))
+        return tuple(int(s) for s in text.split(","))
     except ValueError:
-        raise SystemExit(f"--mesh {args.mesh!r}: expected comma-separated positive integers, e.g. 4 or 2,2") from None
-    if args.ranks is not None and args.ranks != shape[-1]:
-        raise SystemExit(f"--ranks {args.ranks} disagrees with the tensor-parallel size of --mesh {args.mesh}")
-    return shape
+        raise SystemExit(f"--mesh {text!r}: expected comma-separated positive integers, e.g. 4 or 2,2") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.fast_propagation:
-        dtensor_ext.install(fast_propagation=True)
+    mesh_shape = parse_mesh(args.mesh)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    real_ranks = world > 1
+    if real_ranks:
+        if math.prod(mesh_shape) != world:
+            raise SystemExit(f"--mesh {args.mesh}: {math.prod(mesh_shape)} ranks, but torchrun started {world}")
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+    rank0 = not real_ranks or dist.get_rank() == 0
     try:
-        result = run_demo(parse_mesh(args), seed=args.seed)
+        report = run_demo(mesh_shape, steps=args.steps, dense=args.dense, layers=args.layers,
+                          with_package=not args.no_package, seed=args.seed, svg=args.svg if rank0 else None,
+                          progress=_print_progress if rank0 else (lambda *a: None), real_ranks=real_ranks,
+                          compile=args.compile)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    print(format_result(result))
-    ok = result.max_grad_error < 1e-4 and result.max_output_error < 1e-4
-    print("OK: matches one device" if ok else "MISMATCH against one device")
-    return 0 if ok else 1
+    except Exception as e:
+        if not args.compile:
+            raise
+        raise SystemExit(f"--compile: torch.compile cannot run this job on {'real' if real_ranks else 'simulated'} "
+                         f"ranks with torch {torch.__version__}: {_short(e)}") from e
+    finally:
+        if real_ranks:
+            dist.destroy_process_group()
+    if rank0:
+        print(format_report(report))
+    steps = report.package.steps
+    ok = bool(steps) and max(max(s.loss_error, s.grad_error) for s in steps) < 1e-3
+    if rank0 and not args.no_package:
+        print("OK: matches one device" if ok else "MISMATCH against one device")
+    return 0 if ok or args.no_package else 1
+

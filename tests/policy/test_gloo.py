@@ -40,9 +40,10 @@ def _rank_main(rank: int, init_file: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from dtensor_ext.models import TinyLlama
+    from dtensor_ext.models import LlamaConfig, TinyLlama, policy_text, torchtitan_plan
     from dtensor_ext.policy import parallelize
-    from tests.policy.models import LLAMA_TP_YAML, torchtitan_llama_plan
+
+    LLAMA_TP_YAML = policy_text("llama_tp_sp")
 
     torch.set_num_threads(1)  # four ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -66,7 +67,7 @@ def _rank_main(rank: int, init_file: str) -> None:
         reference.zero_grad()
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         parallelize(model, mesh, (tokens[:2],), constraints=LLAMA_TP_YAML, dp="fully_shard")
-        parallelize_module(by_hand, mesh["tp"], torchtitan_llama_plan())
+        parallelize_module(by_hand, mesh["tp"], torchtitan_plan(LlamaConfig()))
         for layer in by_hand.layers.values():
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(by_hand, mesh=mesh["dp"])

@@ -10,7 +10,10 @@ from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, get_pas_ops, pa
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_every_rank_matches
 from dtensor_ext.models import MLP, MoEModel, TinyLlama
-from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, llama_tp_policy
+from dtensor_ext.models import policy_text, tp_sp_policy as llama_tp_policy
+
+LLAMA_TP_YAML = policy_text("llama_tp_sp")
+MOE_YAML = policy_text("moe_expert_sum")
 
 
 def _copies(factory):

@@ -9,7 +9,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from dtensor_ext.policy import OpPlan, build_plan, get_layer_index, get_pas_ops
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.models import MoEModel, TinyLlama
-from tests.policy.models import LLAMA_TP_YAML, MOE_YAML, llama_tp_policy
+from dtensor_ext.models import policy_text, tp_sp_policy as llama_tp_policy
+
+LLAMA_TP_YAML = policy_text("llama_tp_sp")
+MOE_YAML = policy_text("moe_expert_sum")
 
 
 def _llama_and_tokens():
