@@ -908,3 +908,11 @@ def tracing_for_compile() -> bool:
     from torch.distributed.tensor._redistribute import _are_we_tracing
 
     return _are_we_tracing()
+
+
+# --- fast propagation: torch's cost of one redistribution step (prices greedy's plan without re-planning) ---
+def placement_transition_cost() -> Callable | None:
+    """torch's ``(src, dst, topo, mesh_dim, gb) -> (cost, gb after)`` for one step of a plan (2.13+), else None."""
+    from torch.distributed.tensor import _collective_utils
+
+    return getattr(_collective_utils, "_compute_placement_transition_cost", None)

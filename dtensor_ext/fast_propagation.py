@@ -25,7 +25,16 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import DTensorSpec, OpSpec, OpStrategy, Partial, Placement, TensorMeta, TupleStrategy
+from dtensor_ext._compat import (
+    DTensorSpec,
+    OpSpec,
+    OpStrategy,
+    Partial,
+    Placement,
+    Replicate,
+    TensorMeta,
+    TupleStrategy,
+)
 
 __all__ = ["enable", "disable", "is_enabled", "fast_propagation", "expand_single_dim_strategy", "min_cost_strategy"]
 
@@ -33,6 +42,8 @@ __all__ = ["enable", "disable", "is_enabled", "fast_propagation", "expand_single
 # from the price it bounds (~1e-15 relative), so what is left unvisited costs at least the best minus 2e-12
 # relative; stopping at ties is what makes a bound that is exact on equal-cost combinations pay off.
 _TIE = 1.0 - 1e-12
+
+_REPLICATE = Replicate()
 
 _previous_expansion: list[Callable] = []
 
@@ -160,6 +171,7 @@ class _Search:
         self.num_outputs = prepared.num_outputs
         self.output_tensor_meta = output_tensor_meta
         self.priced: dict[tuple[int, tuple[Placement, ...]], tuple[DTensorSpec, float] | None] = {}
+        self.lowers: dict[tuple[int, tuple[Placement, ...]], float] = {}
         topo = _compat.MeshTopoInfo.build_from_mesh(mesh)
         self.bounds = [
             _LeaveBound(mesh, topo, source, _shard_dims(prepared.expanded_strategies, self.num_outputs + k))
@@ -188,6 +200,8 @@ class _Search:
         for bound, combo in self._combinations():
             if bound >= best_cost * _TIE:
                 break
+            if self._lower(combo) >= best_cost * _TIE:
+                continue  # the nesting-aware bound already rules it out: no call to torch's cost function
             cost = self._price(combo)
             if cost is not None and cost < best_cost:
                 best_cost, best_combo = cost, combo
@@ -214,6 +228,17 @@ class _Search:
                 if index[d] + 1 < len(ranked[d]):
                     child = index[:d] + (index[d] + 1,) + index[d + 1 :]
                     heapq.heappush(heap, (sum(rows[i][0] for rows, i in zip(ranked, child)), child))
+
+    def _lower(self, combo: tuple[Sequence, ...]) -> float:
+        """Sum of the inputs' whole-move bounds (:meth:`_LeaveBound.lower`), each computed once per target."""
+        total = 0.0
+        for k, bound in enumerate(self.bounds):
+            target = tuple(row[self.num_outputs + k] for row in combo)
+            key = (k, target)
+            if key not in self.lowers:
+                self.lowers[key] = bound.lower(target)
+            total += self.lowers[key]
+        return total
 
     def _price(self, combo: tuple[Sequence, ...]) -> float | None:
         """torch's total redistribute cost of this combination, or None where torch's expansion drops it."""
@@ -289,6 +314,43 @@ class _LeaveBound:
         self.total_gb = meta.dtype.itemsize * math.prod(meta.shape) / 1024**3
         self.greedy = _compat.greedy_redistribution_planned(source)
         self.right_to_left_first = source.num_shards > 1  # greedy's first pass runs only then
+        self.step_cost = _compat.placement_transition_cost()
+        self.bytes_gb = meta.dtype.itemsize * math.prod(meta.shape) / source.num_shards / 1024 / 1024 / 1024
+
+    def lower(self, target: Sequence[Placement]) -> float:
+        """A bound on the whole move to `target`: where torch plans it greedily, greedy's own plan priced with
+        torch's per-step cost (so the bound is the price); otherwise the sum of the per-mesh-dim leave bounds."""
+        if self.greedy and self.step_cost is not None:
+            return self._greedy_price(target)
+        return sum(self.leave(dim, dst) for dim, dst in enumerate(target))
+
+    def _greedy_price(self, target: Sequence[Placement]) -> float:
+        """Greedy's steps: right to left (only for a sharded source), a kept or new ``Shard(d)`` on mesh dim j
+        turned into Replicate where the mesh dims before j (untouched then) shard d differently in source and
+        target; then left to right to the target. Each step is priced in order, carrying the bytes it leaves."""
+        if self.source.is_replicated():
+            return 0.0
+        placements = self.source.placements
+        current = list(placements)
+        steps = []
+        if self.right_to_left_first:
+            for dim in reversed(range(len(target))):
+                dst = target[dim]
+                if dst.is_shard() and any(
+                    placements[i].is_shard(dst.dim) != target[i].is_shard(dst.dim) for i in range(dim)
+                ):
+                    dst = _REPLICATE
+                if current[dim] != dst:
+                    steps.append((dim, current[dim], dst))
+                    current[dim] = dst
+        steps.extend((dim, current[dim], dst) for dim, dst in enumerate(target) if current[dim] != dst)
+        cost, gb = 0.0, self.bytes_gb
+        for dim, src, dst in steps:
+            step, gb = self.step_cost(src, dst, self.topo, dim, gb)
+            if step == math.inf:
+                return math.inf
+            cost += step
+        return cost
 
     def leave(self, dim: int, dst: Placement) -> float:
         src = self.source.placements[dim]
