@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -179,38 +180,57 @@ class _Search:
         ]
         self.rows_per_dim = [self._ranked_rows(op_schema, dim) for dim in range(mesh.ndim)]
 
-    def _ranked_rows(self, op_schema, dim: int) -> list[tuple[float, Sequence]]:
-        """(bound, row) for the rows allowed on mesh dim `dim`, cheapest bound first, the no-change row first."""
+    def _ranked_rows(self, op_schema, dim: int) -> list[tuple[float, list[Sequence]]]:
+        """(bound, rows of one price class) for the rows allowed on mesh dim `dim`, cheapest bound first, the
+        no-change class first.
+
+        Rows whose input targets differ only where an input is Replicate on `dim` and the target is Replicate or
+        a Partial are one class: greedy then takes no step or a free local one there, which changes no byte count
+        and no nesting check, so every combination of a class costs the same. The walk prices one per class.
+        """
         rows = self.prepared.expanded_strategies
         source_here = tuple(spec.placements[dim] for spec in self.sources)
         if _is_inplace(op_schema.op):
             # the result IS self: self may not move and the output must keep self's placement
             own = source_here[0]
             rows = [r for r in rows if r[self.num_outputs] == own and r[0] in (None, own)]
-        ranked = []
+        free = [
+            src.is_replicate() and bound.greedy and bound.step_cost is not None
+            for src, bound in zip(source_here, self.bounds)
+        ]
+        classes: dict[tuple, list[Sequence]] = {}
         for row in rows:
-            targets = tuple(row[self.num_outputs :])
+            targets = row[self.num_outputs :]
+            key = tuple(None if is_free and not dst.is_shard() else dst for is_free, dst in zip(free, targets))
+            classes.setdefault(key, []).append(row)
+        ranked = []
+        for members in classes.values():
+            members.sort(key=lambda row: tuple(row[self.num_outputs :]) != source_here)  # staying put first
+            targets = tuple(members[0][self.num_outputs :])
             bound = sum(b.leave(dim, dst) for b, dst in zip(self.bounds, targets))
-            ranked.append((bound, targets != source_here, row))
+            ranked.append((bound, targets != source_here, members))
         ranked.sort(key=lambda item: (item[0], item[1]))
-        return [(bound, row) for bound, _, row in ranked]
+        return [(bound, members) for bound, _, members in ranked]
 
     def run(self) -> OpStrategy | None:
         best_cost, best_combo = float("inf"), None
-        for bound, combo in self._combinations():
+        for bound, classes in self._combinations():
             if bound >= best_cost * _TIE:
                 break
-            if self._lower(combo) >= best_cost * _TIE:
-                continue  # the nesting-aware bound already rules it out: no call to torch's cost function
-            cost = self._price(combo)
-            if cost is not None and cost < best_cost:
-                best_cost, best_combo = cost, combo
+            if self._lower(tuple(members[0] for members in classes)) >= best_cost * _TIE:
+                continue  # greedy's priced plan already rules the class out: no call to torch's cost function
+            for combo in itertools.product(*classes):
+                cost = self._price(combo)
+                if cost is not None:  # the first combination of the class torch admits: all cost the same
+                    if cost < best_cost:
+                        best_cost, best_combo = cost, combo
+                    break
         if best_combo is None:
             return None
         return OpStrategy([self._op_spec(best_combo)])
 
-    def _combinations(self) -> Iterator[tuple[float, tuple[Sequence, ...]]]:
-        """Every combination of one row per mesh dim, in nondecreasing order of the summed bound.
+    def _combinations(self) -> Iterator[tuple[float, tuple[list[Sequence], ...]]]:
+        """Every combination of one class per mesh dim, in nondecreasing order of the summed bound.
 
         Each index vector has one parent (its last nonzero index lowered by one), so a heap seeded with the zero
         vector yields each combination once.
