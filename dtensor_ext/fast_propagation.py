@@ -5,9 +5,11 @@ about a second per op on a 4-D mesh. The price of a combination is a sum over in
 ``redistribute_cost(source, target)``, and it has a lower bound that splits per mesh dim: where an input's target
 differs from a Shard or Partial source on a mesh dim, every plan takes a first collective step out of that
 source there, which costs at least that collective at the fewest bytes the input can hold at that moment
-(:class:`_LeaveBound`). Combinations are visited in order of increasing bound (a k-best walk over per-mesh-dim
-sorted rows), priced with torch's own cost function (once per input and target), and the walk stops when the
-bound reaches the best price found: nothing unvisited is cheaper. The chosen strategy's cost is the full
+(:class:`_LeaveBound`). Combinations of price classes of rows are visited in order of increasing bound (a k-best
+walk over per-mesh-dim sorted classes); each is first checked against a whole-move bound (where torch plans
+greedily, greedy's own plan priced with torch's per-step cost: the price itself) and only a combination that
+would beat the best found is priced with torch's own cost function (once per input and target). The walk stops
+when the bound reaches the best price found: nothing unvisited is cheaper. The chosen strategy's cost is the full
 expansion's minimum (to float rounding, 2e-12 relative); among equal-cost strategies the pick may differ.
 
 Where an assumption of that argument cannot be checked (strided shards, symbolic shapes, tensors inside lists or
