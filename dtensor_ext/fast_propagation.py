@@ -5,9 +5,11 @@ about a second per op on a 4-D mesh. The price of a combination is a sum over in
 ``redistribute_cost(source, target)``, and it has a lower bound that splits per mesh dim: where an input's target
 differs from a Shard or Partial source on a mesh dim, every plan takes a first collective step out of that
 source there, which costs at least that collective at the fewest bytes the input can hold at that moment
-(:class:`_LeaveBound`). Combinations are visited in order of increasing bound (a k-best walk over per-mesh-dim
-sorted rows), priced with torch's own cost function (once per input and target), and the walk stops when the
-bound reaches the best price found: nothing unvisited is cheaper. The chosen strategy's cost is the full
+(:class:`_LeaveBound`). Combinations of price classes of rows are visited in order of increasing bound (a k-best
+walk over per-mesh-dim sorted classes); each is first checked against a whole-move bound (where torch plans
+greedily, greedy's own plan priced with torch's per-step cost: the price itself) and only a combination that
+would beat the best found is priced with torch's own cost function (once per input and target). The walk stops
+when the bound reaches the best price found: nothing unvisited is cheaper. The chosen strategy's cost is the full
 expansion's minimum (to float rounding, 2e-12 relative); among equal-cost strategies the pick may differ.
 
 Where an assumption of that argument cannot be checked (strided shards, symbolic shapes, tensors inside lists or
@@ -19,13 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import DTensorSpec, OpSpec, OpStrategy, Partial, Placement, TensorMeta, TupleStrategy
+from dtensor_ext._compat import (
+    DTensorSpec,
+    OpSpec,
+    OpStrategy,
+    Partial,
+    Placement,
+    Replicate,
+    TensorMeta,
+    TupleStrategy,
+)
 
 __all__ = ["enable", "disable", "is_enabled", "fast_propagation", "expand_single_dim_strategy", "min_cost_strategy"]
 
@@ -33,6 +45,8 @@ __all__ = ["enable", "disable", "is_enabled", "fast_propagation", "expand_single
 # from the price it bounds (~1e-15 relative), so what is left unvisited costs at least the best minus 2e-12
 # relative; stopping at ties is what makes a bound that is exact on equal-cost combinations pay off.
 _TIE = 1.0 - 1e-12
+
+_REPLICATE = Replicate()
 
 _previous_expansion: list[Callable] = []
 
@@ -160,6 +174,7 @@ class _Search:
         self.num_outputs = prepared.num_outputs
         self.output_tensor_meta = output_tensor_meta
         self.priced: dict[tuple[int, tuple[Placement, ...]], tuple[DTensorSpec, float] | None] = {}
+        self.lowers: dict[tuple[int, tuple[Placement, ...]], float] = {}
         topo = _compat.MeshTopoInfo.build_from_mesh(mesh)
         self.bounds = [
             _LeaveBound(mesh, topo, source, _shard_dims(prepared.expanded_strategies, self.num_outputs + k))
@@ -167,36 +182,57 @@ class _Search:
         ]
         self.rows_per_dim = [self._ranked_rows(op_schema, dim) for dim in range(mesh.ndim)]
 
-    def _ranked_rows(self, op_schema, dim: int) -> list[tuple[float, Sequence]]:
-        """(bound, row) for the rows allowed on mesh dim `dim`, cheapest bound first, the no-change row first."""
+    def _ranked_rows(self, op_schema, dim: int) -> list[tuple[float, list[Sequence]]]:
+        """(bound, rows of one price class) for the rows allowed on mesh dim `dim`, cheapest bound first, the
+        no-change class first.
+
+        Rows whose input targets differ only where an input is Replicate on `dim` and the target is Replicate or
+        a Partial are one class: greedy then takes no step or a free local one there, which changes no byte count
+        and no nesting check, so every combination of a class costs the same. The walk prices one per class.
+        """
         rows = self.prepared.expanded_strategies
         source_here = tuple(spec.placements[dim] for spec in self.sources)
         if _is_inplace(op_schema.op):
             # the result IS self: self may not move and the output must keep self's placement
             own = source_here[0]
             rows = [r for r in rows if r[self.num_outputs] == own and r[0] in (None, own)]
-        ranked = []
+        free = [
+            src.is_replicate() and bound.greedy and bound.step_cost is not None
+            for src, bound in zip(source_here, self.bounds)
+        ]
+        classes: dict[tuple, list[Sequence]] = {}
         for row in rows:
-            targets = tuple(row[self.num_outputs :])
+            targets = row[self.num_outputs :]
+            key = tuple(None if is_free and not dst.is_shard() else dst for is_free, dst in zip(free, targets))
+            classes.setdefault(key, []).append(row)
+        ranked = []
+        for members in classes.values():
+            members.sort(key=lambda row: tuple(row[self.num_outputs :]) != source_here)  # staying put first
+            targets = tuple(members[0][self.num_outputs :])
             bound = sum(b.leave(dim, dst) for b, dst in zip(self.bounds, targets))
-            ranked.append((bound, targets != source_here, row))
+            ranked.append((bound, targets != source_here, members))
         ranked.sort(key=lambda item: (item[0], item[1]))
-        return [(bound, row) for bound, _, row in ranked]
+        return [(bound, members) for bound, _, members in ranked]
 
     def run(self) -> OpStrategy | None:
         best_cost, best_combo = float("inf"), None
-        for bound, combo in self._combinations():
+        for bound, classes in self._combinations():
             if bound >= best_cost * _TIE:
                 break
-            cost = self._price(combo)
-            if cost is not None and cost < best_cost:
-                best_cost, best_combo = cost, combo
+            if self._lower(tuple(members[0] for members in classes)) >= best_cost * _TIE:
+                continue  # greedy's priced plan already rules the class out: no call to torch's cost function
+            for combo in itertools.product(*classes):
+                cost = self._price(combo)
+                if cost is not None:  # the first combination of the class torch admits: all cost the same
+                    if cost < best_cost:
+                        best_cost, best_combo = cost, combo
+                    break
         if best_combo is None:
             return None
         return OpStrategy([self._op_spec(best_combo)])
 
-    def _combinations(self) -> Iterator[tuple[float, tuple[Sequence, ...]]]:
-        """Every combination of one row per mesh dim, in nondecreasing order of the summed bound.
+    def _combinations(self) -> Iterator[tuple[float, tuple[list[Sequence], ...]]]:
+        """Every combination of one class per mesh dim, in nondecreasing order of the summed bound.
 
         Each index vector has one parent (its last nonzero index lowered by one), so a heap seeded with the zero
         vector yields each combination once.
@@ -214,6 +250,17 @@ class _Search:
                 if index[d] + 1 < len(ranked[d]):
                     child = index[:d] + (index[d] + 1,) + index[d + 1 :]
                     heapq.heappush(heap, (sum(rows[i][0] for rows, i in zip(ranked, child)), child))
+
+    def _lower(self, combo: tuple[Sequence, ...]) -> float:
+        """Sum of the inputs' whole-move bounds (:meth:`_LeaveBound.lower`), each computed once per target."""
+        total = 0.0
+        for k, bound in enumerate(self.bounds):
+            target = tuple(row[self.num_outputs + k] for row in combo)
+            key = (k, target)
+            if key not in self.lowers:
+                self.lowers[key] = bound.lower(target)
+            total += self.lowers[key]
+        return total
 
     def _price(self, combo: tuple[Sequence, ...]) -> float | None:
         """torch's total redistribute cost of this combination, or None where torch's expansion drops it."""
@@ -289,6 +336,43 @@ class _LeaveBound:
         self.total_gb = meta.dtype.itemsize * math.prod(meta.shape) / 1024**3
         self.greedy = _compat.greedy_redistribution_planned(source)
         self.right_to_left_first = source.num_shards > 1  # greedy's first pass runs only then
+        self.step_cost = _compat.placement_transition_cost()
+        self.bytes_gb = meta.dtype.itemsize * math.prod(meta.shape) / source.num_shards / 1024 / 1024 / 1024
+
+    def lower(self, target: Sequence[Placement]) -> float:
+        """A bound on the whole move to `target`: where torch plans it greedily, greedy's own plan priced with
+        torch's per-step cost (so the bound is the price); otherwise the sum of the per-mesh-dim leave bounds."""
+        if self.greedy and self.step_cost is not None:
+            return self._greedy_price(target)
+        return sum(self.leave(dim, dst) for dim, dst in enumerate(target))
+
+    def _greedy_price(self, target: Sequence[Placement]) -> float:
+        """Greedy's steps: right to left (only for a sharded source), a kept or new ``Shard(d)`` on mesh dim j
+        turned into Replicate where the mesh dims before j (untouched then) shard d differently in source and
+        target; then left to right to the target. Each step is priced in order, carrying the bytes it leaves."""
+        if self.source.is_replicated():
+            return 0.0
+        placements = self.source.placements
+        current = list(placements)
+        steps = []
+        if self.right_to_left_first:
+            for dim in reversed(range(len(target))):
+                dst = target[dim]
+                if dst.is_shard() and any(
+                    placements[i].is_shard(dst.dim) != target[i].is_shard(dst.dim) for i in range(dim)
+                ):
+                    dst = _REPLICATE
+                if current[dim] != dst:
+                    steps.append((dim, current[dim], dst))
+                    current[dim] = dst
+        steps.extend((dim, current[dim], dst) for dim, dst in enumerate(target) if current[dim] != dst)
+        cost, gb = 0.0, self.bytes_gb
+        for dim, src, dst in steps:
+            step, gb = self.step_cost(src, dst, self.topo, dim, gb)
+            if step == math.inf:
+                return math.inf
+            cost += step
+        return cost
 
     def leave(self, dim: int, dst: Placement) -> float:
         src = self.source.placements[dim]

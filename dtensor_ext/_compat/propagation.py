@@ -422,3 +422,11 @@ def set_output_meta_computer(compute: Callable | None) -> None:
         vars(propagator()).pop("_propagate_tensor_meta_non_cached", None)
     else:
         propagator()._propagate_tensor_meta_non_cached = compute
+
+
+def placement_transition_cost() -> Callable | None:
+    """torch's ``(src, dst, topo, mesh_dim, gb) -> (cost, gb after)`` for one step of a plan (2.13+), else None;
+    fast propagation prices greedy's plan with it without re-planning."""
+    from torch.distributed.tensor import _collective_utils
+
+    return getattr(_collective_utils, "_compute_placement_transition_cost", None)

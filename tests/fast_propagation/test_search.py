@@ -156,7 +156,8 @@ def test_enable_disable_restore_torch_exactly_and_clear_caches(monkeypatch):
             fast_propagation.enable()
 
 
-def _bound_and_cost(mesh_shape, shape, source_placements, target_placements) -> tuple[float, float]:
+def _bound_and_cost(mesh_shape, shape, source_placements, target_placements) -> tuple[float, float, float]:
+    """(sum of the per-mesh-dim leave bounds, the whole-move bound, torch's redistribute_cost)."""
     meta = _compat.tensor_meta(torch.empty(shape))
     with simulated_mesh(mesh_shape) as mesh:
         source = _compat.DTensorSpec(mesh, source_placements, tensor_meta=meta)
@@ -164,7 +165,7 @@ def _bound_and_cost(mesh_shape, shape, source_placements, target_placements) -> 
         topo = _compat.MeshTopoInfo.build_from_mesh(mesh)
         bound = fast_propagation._LeaveBound(mesh, topo, source, frozenset(range(len(shape))))
         lower = sum(bound.leave(dim, p) for dim, p in enumerate(target_placements))
-        return lower, _compat.redistribute_cost(source, target)
+        return lower, bound.lower(target_placements), _compat.redistribute_cost(source, target)
 
 
 @given(
@@ -176,14 +177,17 @@ def test_bound_never_exceeds_torchs_redistribute_cost(mesh_shape, shape, data):
     """The lemma the search rests on: per mesh dim, leaving a source costs at least the bound, whatever the target."""
     source = tuple(data.draw(_placement_options(len(shape))) for _ in mesh_shape)
     target = tuple(data.draw(_placement_options(len(shape))) for _ in mesh_shape)
-    lower, cost = _bound_and_cost(mesh_shape, shape, source, target)
-    assert lower <= cost * (1 + 1e-12), f"{source} -> {target}: bound {lower} > cost {cost}"
+    leave, lower, cost = _bound_and_cost(mesh_shape, shape, source, target)
+    assert leave <= cost * (1 + 1e-12), f"{source} -> {target}: leave bound {leave} > cost {cost}"
+    assert lower <= cost * (1 + 1e-12), f"{source} -> {target}: whole-move bound {lower} > cost {cost}"
+    if _compat.placement_transition_cost() is not None:  # greedy's plan priced step by step: the price itself
+        assert math.isclose(lower, cost, rel_tol=1e-12), f"{source} -> {target}: bound {lower} != cost {cost}"
 
 
 def test_bound_allows_greedy_detour_through_replicate():
     """(S1, S0) -> (R, S1): greedy gathers mesh dim 1 instead of an all-to-all, since dim 1 nests under mesh dim 0."""
-    lower, cost = _bound_and_cost((2, 3), (4, 4), (Shard(1), Shard(0)), (Replicate(), Shard(1)))
-    assert lower <= cost * (1 + 1e-12)
+    leave, lower, cost = _bound_and_cost((2, 3), (4, 4), (Shard(1), Shard(0)), (Replicate(), Shard(1)))
+    assert leave <= lower <= cost * (1 + 1e-12)
 
 
 @pytest.mark.parametrize(
