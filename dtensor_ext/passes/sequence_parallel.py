@@ -24,7 +24,9 @@ from torch.fx import Graph, GraphModule, Node
 
 from dtensor_ext._compat import fake_mode_of, group_size, size_hint
 from dtensor_ext.passes import collectives
-from dtensor_ext.passes.token_local import GATHER_POINTS, SAME_ON_EVERY_RANK, TOKEN_LOCAL, Local, TokenRule
+from dtensor_ext.passes.token_local import (
+    GATHER_POINTS, POSITIONS, RANDOM_DRAWS, SAME_ON_EVERY_RANK, TOKEN_LOCAL, Local, TokenRule,
+)
 
 __all__ = ["SequenceParallelReport", "rewrite_graph", "sequence_parallel"]
 
@@ -211,7 +213,7 @@ def rewrite_graph(
 
     dims: dict[Node, int] = {}
     sliced: set[Node] = set()
-    same_on_every_rank: dict[Node, bool] = {}
+    same_on_every_rank: dict[Node, str | None] = {}
     local_args: dict[Node, Local] = {}
     owner: dict[Node, _Component] = {}
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -398,7 +400,7 @@ def _apply(graph, component, gathers, dims, local_args, seeds, report) -> None:
         report.converted += 1
 
 
-def _replicated_operands(node: Node, dims: dict[Node, int], sliced: set[Node], memo: dict[Node, bool]) -> dict[Node, int]:
+def _replicated_operands(node: Node, dims: dict[Node, int], sliced: set[Node], memo: dict) -> dict[Node, int]:
     """Full-token operands of ``node`` (not shards, the token dim at full size, aligned right with the output)
     that are the same on every rank: built from graph inputs by ops in ``SAME_ON_EVERY_RANK`` alone. Each
     with its token dim; empty when there is none or the token count is symbolic."""
@@ -419,29 +421,57 @@ def _replicated_operands(node: Node, dims: dict[Node, int], sliced: set[Node], m
     return found
 
 
-def _same_on_every_rank(start: Node, memo: dict[Node, bool]) -> bool:
-    """Whether ``start`` is computed from graph inputs by ops that give every rank the same result (no
-    collective, no contraction with a per-rank weight shard). Graph inputs count as the same on every rank: a
-    per-rank operand meeting a replicated activation would make it differ between ranks already in tensor
-    parallelism alone."""
+def _same_on_every_rank(start: Node, memo: dict[Node, str | None]) -> bool:
+    """Whether ``start`` is computed from graph inputs by ops that give every rank the same result (see
+    ``SAME_ON_EVERY_RANK``). Graph inputs count as the same on every rank: a per-rank operand meeting a replicated
+    activation would make it differ between ranks already in tensor parallelism alone. ``memo`` holds "same",
+    "random" (a random draw, through ops given numbers: the threshold and scale of a dropout mask) or None."""
     stack = [start]
     while stack:
         node = stack[-1]
         if node in memo:
             stack.pop()
             continue
-        if node.op in ("placeholder", "get_attr"):
-            memo[node] = True
-        elif node.op != "call_function" or node.target not in SAME_ON_EVERY_RANK:
-            memo[node] = False
-        else:
-            pending = [i for i in node.all_input_nodes if i not in memo]
-            if pending:
-                stack += pending
-                continue
-            memo[node] = all(memo[i] for i in node.all_input_nodes)
+        pending = [i for i in node.all_input_nodes if i not in memo]
+        if pending:
+            stack += pending
+            continue
         stack.pop()
-    return memo[start]
+        inputs = [memo[i] for i in node.all_input_nodes]
+        target = node.target if node.op == "call_function" else None
+        if node.op == "placeholder":
+            memo[node] = "same"
+        elif target in RANDOM_DRAWS:
+            memo[node] = "random"
+        elif target in POSITIONS:
+            memo[node] = "same" if _counts_from_zero(node) else None
+        elif target not in SAME_ON_EVERY_RANK or not all(inputs):
+            memo[node] = None
+        elif _given_numbers(node):
+            memo[node] = "random" if inputs == ["random"] else None
+        else:
+            memo[node] = "random" if inputs and all(i == "random" for i in inputs) else "same"
+    return memo[start] is not None
+
+
+def _counts_from_zero(node: Node) -> bool:
+    """iota/arange starting at 0 with step 1: positions, not an offset baked in per rank."""
+    if node.target == torch.ops.prims.iota.default:
+        return node.kwargs.get("start", 0) == 0 and node.kwargs.get("step", 1) == 1
+    if node.target == torch.ops.aten.arange.default:
+        return True
+    return node.args[0] == 0 and (len(node.args) < 3 or node.args[2] == 1)
+
+
+def _given_numbers(node: Node) -> bool:
+    """Whether a number (not a size or a dim) is passed to ``node``: ``x - 3``, ``x > 0.1``, ``clamp(x, 0, 9)``."""
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        kind = arg.type.getElementType() if isinstance(arg.type, torch.OptionalType) else arg.type
+        if isinstance(value, (int, float)) and isinstance(kind, (torch.NumberType, torch.FloatType)):
+            return True
+    return False
 
 
 def _pattern(wait: Node, local_args: dict[Node, Local]) -> str:

@@ -90,3 +90,20 @@ def test_dropout_mask_drawn_whole_is_sliced_and_values_equal_tensor_parallelism(
     assert_expected_inline(report.summary(), """\
 sequence_parallel: 5/5 all_reduce -> reduce_scatter (P1=2, P3=1, token_local=2), 6 all_gather inserted, 4 token sums all_reduced, 4 whole operands sliced
   gathered before: index_put (aten.index_put.default) needs every token of mul_37""")
+
+
+def test_a_mask_built_with_numbers_is_not_taken_as_the_same_on_every_rank():
+    """``ids - offset`` with an offset a traced graph bakes in per rank (a vocab-parallel slice) may differ between
+    ranks: the shard is gathered before the mask instead of slicing the mask."""
+
+    def masked(e, ids, ln, w1, w2, group):
+        inside = ((ids - 3) >= 0).unsqueeze(-1)
+        h = Reduce.apply(e, group) * inside
+        return Reduce.apply(F.silu(Copy.apply(rms(h, ln), group) @ w1) @ w2, group)
+
+    with simulated_mesh((WORLD,)) as mesh, active_mode().disable():
+        group = mesh.get_group().group_name
+        gm = trace(lambda *a: masked(*a, group), EMBED[0], torch.arange(T), LN, W1[0], W2[0])
+    report = sequence_parallel(gm).meta["sequence_parallel"]
+    assert report.sliced == [] and report.converted == 0
+    assert "mul (aten.mul.Tensor) needs every token of wait_tensor" in report.skipped[0], report.summary()
