@@ -2,7 +2,8 @@
 ranks, with and without ``install_sequence_parallel``, side by side in one run.
 
 Two models of the same shape (embedding, N x (RMSNorm, attention, RMSNorm, SwiGLU), final norm, vocab-parallel
-head): ``examples/sequence_parallel_training.py`` (Megatron f/g over functional collectives) and
+head): ``examples/sequence_parallel_training.py`` (Megatron f/g over functional collectives; once more with a learned
+position embedding added on the residual stream, which the pass slices to each rank's tokens) and
 ``examples/sequence_parallel_parallelize_module.py`` (DTensor's ``parallelize_module`` with torchtitan's plan, DTensor
 issuing the collectives). Per rank, after one warm-up step that compiles, one more step is measured:
 - collective bytes: every ``_c10d_functional::*`` collective event the profiler recorded (record_shapes), turned
@@ -15,7 +16,7 @@ issuing the collectives). Per rank, after one warm-up step that compiles, one mo
 Expected: collective bytes within 1.05x; saved bytes shrink by the token-local share (norm inputs and their
 rstd, 2L + 1 norms of N*(H + 1) floats each) times 1 - 1/n, the printed "expected" column.
 
-    PYTHONPATH=. python benchmarks/sequence_parallel.py [--worlds 2 4] [--layers 4] [--models functional dtensor]
+    PYTHONPATH=. python benchmarks/sequence_parallel.py [--worlds 2 4] [--layers 4] [--models functional positions dtensor]
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ class FunctionalModel:
 
     name = "functional collectives"
 
-    def __init__(self, layers: int, rank: int, world: int) -> None:
-        self.cfg, self.rank, self.world = Config(layers=layers), rank, world
+    def __init__(self, layers: int, rank: int, world: int, positions: bool = False) -> None:
+        self.cfg, self.rank, self.world = Config(layers=layers, positions=positions), rank, world
+        self.name += " + learned positions" if positions else ""
         self.tokens, self.hidden = self.cfg.batch * self.cfg.seq, self.cfg.hidden
 
     def compile(self):
@@ -98,7 +100,11 @@ class ParallelizeModuleModel:
         return dtensor_model.max_error(self.cfg, loss, grads)
 
 
-MODELS = {"functional": FunctionalModel, "dtensor": ParallelizeModuleModel}
+MODELS = {
+    "functional": FunctionalModel,
+    "positions": lambda layers, rank, world: FunctionalModel(layers, rank, world, positions=True),
+    "dtensor": ParallelizeModuleModel,
+}
 
 
 def measured_step(forward, weights, gradients, world: int) -> dict:
@@ -158,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["functional", "dtensor"])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--rank", type=int, nargs=3, default=None, help=argparse.SUPPRESS)  # rank world port
     args = parser.parse_args()
     if args.rank is not None:

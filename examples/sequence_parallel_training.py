@@ -34,6 +34,7 @@ class Config:
     heads: int = 4
     ffn: int = 128
     vocab: int = 128
+    positions: bool = False  # a learned position embedding added on the residual stream (GPT-2 style)
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -73,6 +74,8 @@ def full_params(cfg: Config, seed: int = 0) -> dict[str, torch.Tensor]:
 
     h, f = cfg.hidden, cfg.ffn
     params = {"embed": randn(cfg.vocab, h, scale=1.0), "norm": 1 + randn(h, scale=0.1), "head": randn(h, cfg.vocab, scale=h**-0.5)}
+    if cfg.positions:
+        params["positions"] = randn(cfg.seq, h, scale=1.0)
     for i in range(cfg.layers):
         params |= {
             f"{i}.attn_norm": 1 + randn(h, scale=0.1), f"{i}.mlp_norm": 1 + randn(h, scale=0.1),
@@ -123,6 +126,8 @@ def loss_fn(p: dict[str, torch.Tensor], ids: torch.Tensor, cfg: Config, group: s
     local_ids = ids - offset
     inside = (local_ids >= 0) & (local_ids < rows)
     h = leave(F.embedding(local_ids.clamp(0, rows - 1), p["embed"]) * inside.unsqueeze(-1))
+    if cfg.positions:
+        h = h + p["positions"][torch.arange(ids.shape[1])]  # replicated on every rank
     heads = cfg.heads // world
     for i in range(cfg.layers):
         x = enter(rms(h, p[f"{i}.attn_norm"]))
