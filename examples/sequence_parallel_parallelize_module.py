@@ -11,10 +11,6 @@ gradient of every column-parallel input (q, k, v, gate, up, head). The pass rewr
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtensor_ext.models.llama import LlamaConfig, TinyLlama
+from dtensor_ext.testing.local_ranks import add_rank_arguments, finish_rank, relaunch_as_ranks
 
 BATCH, SEQ = 2, 64
 CONFIG = LlamaConfig(vocab_size=128, dim=64, n_heads=4, hidden_dim=128, n_layers=4)
@@ -78,19 +75,12 @@ def max_error(cfg: LlamaConfig, loss: torch.Tensor, grads: dict[str, torch.Tenso
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
+    add_rank_arguments(parser)
     parser.add_argument("--layers", type=int, default=CONFIG.n_layers)
     parser.add_argument("--seq", type=int, default=SEQ)
-    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--port", str(port), "--rank"]
-        procs = [subprocess.Popen([*cmd, str(r)]) for r in range(args.world)]
-        sys.exit(max(p.wait() for p in procs))
+        relaunch_as_ranks(args.world)
     from dtensor_ext.passes import install_sequence_parallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
@@ -100,13 +90,7 @@ def main() -> None:
         loss = torch.compile(loss_of, fullgraph=True)(model, token_ids(cfg, args.seq))
         loss.backward()
     error = max_error(cfg, loss, gradients(model), args.seq)
-    if args.rank == 0:
-        for report in sp.reports:
-            print(report.summary())
-        print(f"max |loss/grad difference| vs one device: {error:.2e}")
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0 if error < 1e-4 else 1)
+    finish_rank([report.summary() for report in sp.reports], error, tolerance=1e-4)
 
 
 if __name__ == "__main__":
