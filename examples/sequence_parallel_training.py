@@ -12,15 +12,13 @@ logits.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from dtensor_ext.testing.local_ranks import add_rank_arguments, finish_rank, relaunch_as_ranks
 
 c10d = torch.ops._c10d_functional
 
@@ -34,6 +32,7 @@ class Config:
     heads: int = 4
     ffn: int = 128
     vocab: int = 128
+    positions: bool = False  # a learned position embedding added on the residual stream (GPT-2 style)
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -73,6 +72,8 @@ def full_params(cfg: Config, seed: int = 0) -> dict[str, torch.Tensor]:
 
     h, f = cfg.hidden, cfg.ffn
     params = {"embed": randn(cfg.vocab, h, scale=1.0), "norm": 1 + randn(h, scale=0.1), "head": randn(h, cfg.vocab, scale=h**-0.5)}
+    if cfg.positions:
+        params["positions"] = randn(cfg.seq, h, scale=1.0)
     for i in range(cfg.layers):
         params |= {
             f"{i}.attn_norm": 1 + randn(h, scale=0.1), f"{i}.mlp_norm": 1 + randn(h, scale=0.1),
@@ -123,6 +124,8 @@ def loss_fn(p: dict[str, torch.Tensor], ids: torch.Tensor, cfg: Config, group: s
     local_ids = ids - offset
     inside = (local_ids >= 0) & (local_ids < rows)
     h = leave(F.embedding(local_ids.clamp(0, rows - 1), p["embed"]) * inside.unsqueeze(-1))
+    if cfg.positions:
+        h = h + p["positions"][torch.arange(ids.shape[1])]  # replicated on every rank
     heads = cfg.heads // world
     for i in range(cfg.layers):
         x = enter(rms(h, p[f"{i}.attn_norm"]))
@@ -171,19 +174,12 @@ def compiled_loss(cfg: Config, world: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
+    add_rank_arguments(parser)
     parser.add_argument("--layers", type=int, default=Config.layers)
     parser.add_argument("--seq", type=int, default=Config.seq)
-    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--port", str(port), "--rank"]
-        procs = [subprocess.Popen([*cmd, str(r)]) for r in range(args.world)]
-        sys.exit(max(p.wait() for p in procs))
+        relaunch_as_ranks(args.world)
     from dtensor_ext.passes import install_sequence_parallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
@@ -191,13 +187,7 @@ def main() -> None:
     with install_sequence_parallel() as sp:
         loss, grads = train_step(cfg, args.rank, args.world, compiled_loss(cfg, args.world))
     error = max_error(cfg, loss, grads, args.rank, args.world)
-    if args.rank == 0:
-        for report in sp.reports:
-            print(report.summary())
-        print(f"max |loss/grad difference| vs one device: {error:.2e}")
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0 if error < 1e-4 else 1)
+    finish_rank([report.summary() for report in sp.reports], error, tolerance=1e-4)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ EXAMPLES = {
     "policy_yaml.py": [],
     "sequence_parallel_dtensor.py": [],
     "sequence_parallel_block.py": ["--no-compile"],
+    "sequence_parallel_parallelize_module.py": ["--world", "2", "--layers", "1", "--seq", "16"],
     "sequence_parallel_training.py": ["--world", "2", "--layers", "1", "--seq", "16"],
 }
 

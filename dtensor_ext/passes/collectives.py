@@ -19,6 +19,8 @@ __all__ = [
     "eliminate_dead_collectives",
     "insert_all_gather",
     "insert_all_reduce_after",
+    "insert_local_slice",
+    "insert_rank",
     "insert_reduce_scatter",
     "is_collective",
 ]
@@ -104,6 +106,36 @@ def insert_all_reduce_after(graph: Graph, node: Node, group_name) -> Node:
         waited = graph.call_function(WAIT, (reduced,))
     node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not reduced)
     return waited
+
+
+# The joint graph is already decomposed: only ops inductor lowers as they are (prims.iota, not aten.arange).
+_iota = torch.ops.prims.iota.default
+
+
+def _iota_kwargs(device: torch.device) -> dict:
+    return {"start": 0, "step": 1, "dtype": torch.int64, "device": device, "requires_grad": False}
+
+
+def insert_rank(graph: Graph, group_size: int, group_name, device: torch.device, before: Node) -> Node:
+    """This rank's index in the group as a one-element int64 tensor, computed in the graph (a traced graph is
+    shared by every rank, and a compiled one may come from another rank's cache): each rank contributes
+    ``arange(n)`` to a reduce_scatter and receives ``n * rank``; (n - 1) * 8 bytes on the wire."""
+    with graph.inserting_before(before):
+        ranks = graph.call_function(_iota, (group_size,), _iota_kwargs(device))
+        scattered = graph.call_function(REDUCE_SCATTER, (ranks, "sum", group_size, group_name))
+        waited = graph.call_function(WAIT, (scattered,))
+        return graph.call_function(_aten.div.Tensor_mode, (waited, group_size), {"rounding_mode": "floor"})
+
+
+def insert_local_slice(graph: Graph, full: Node, dim: int, group_size: int, rank: Node, before: Node) -> Node:
+    """This rank's token shard of ``full`` (the same on every rank) along ``dim``: a local index, no collective.
+    ``full.meta['val']`` holds the full shape."""
+    chunk = _shape(full)[dim] // group_size
+    with graph.inserting_before(before):
+        start = graph.call_function(_aten.mul.Tensor, (rank, chunk))
+        offsets = graph.call_function(_iota, (chunk,), _iota_kwargs(full.meta["val"].device))
+        index = graph.call_function(_aten.add.Tensor, (offsets, start))
+        return graph.call_function(_aten.index.Tensor, (full, [None] * dim + [index]))
 
 
 def eliminate_dead_collectives(graph: Graph) -> int:

@@ -24,7 +24,9 @@ from torch.fx import Graph, GraphModule, Node
 
 from dtensor_ext._compat import fake_mode_of, group_size, size_hint
 from dtensor_ext.passes import collectives
-from dtensor_ext.passes.token_local import GATHER_POINTS, TOKEN_LOCAL, Local, TokenRule
+from dtensor_ext.passes.token_local import (
+    GATHER_POINTS, POSITIONS, RANDOM_DRAWS, SAME_ON_EVERY_RANK, TOKEN_LOCAL, Local, TokenRule,
+)
 
 __all__ = ["SequenceParallelReport", "rewrite_graph", "sequence_parallel"]
 
@@ -51,6 +53,7 @@ class SequenceParallelReport:
     bytes_after: int = 0
     seconds: float = 0.0  # the pass's own runtime
     guards: list[str] = field(default_factory=list)  # conditions on symbolic token counts the rewrite relies on
+    sliced: list[str] = field(default_factory=list)  # full-token operands, the same on every rank, sliced locally
 
     def summary(self) -> str:
         pats = ", ".join(f"{p}={self.patterns[p]}" for p in PATTERNS if self.patterns[p])
@@ -58,6 +61,7 @@ class SequenceParallelReport:
             f"sequence_parallel: {self.converted}/{self.all_reduces} all_reduce -> reduce_scatter"
             f" ({pats or 'none'}), {self.all_gathers} all_gather inserted"
             + (f", {self.token_sums} token sums all_reduced" if self.token_sums else "")
+            + (f", {len(self.sliced)} whole operands sliced" if self.sliced else "")
         ]
         lines += [f"  guarded: {guard}" for guard in dict.fromkeys(self.guards)]
         lines += [f"  gathered before: {reason}" for reason in self.boundaries]
@@ -73,6 +77,7 @@ class _Component:
     token_sums: list[Node] = field(default_factory=list)
     boundaries: list[str] = field(default_factory=list)
     arithmetic: int = 0
+    slices: list[Node] = field(default_factory=list)  # full-token operands, the same on every rank, sliced locally
 
 
 def _seed_token_dim(wait: Node, token_dim: int | None) -> int | None:
@@ -111,6 +116,11 @@ _ALIASING = {
     torch.ops.aten.alias.default, torch.ops.aten.detach.default,
 }  # fmt: skip
 _VIEW_CHAIN = _ALIASING | {torch.ops.aten.expand.default}
+# Ops reading only the dtype and device of their first input (the size is an argument): a shard serves as well.
+_SHAPE_ONLY = {
+    torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default, torch.ops.aten.new_ones.default,
+    torch.ops.aten.new_full.default,
+}  # fmt: skip
 
 
 def _sums_over_tokens(node: Node, shard: Node, dims: dict[Node, int]) -> bool:
@@ -202,6 +212,8 @@ def rewrite_graph(
         )
 
     dims: dict[Node, int] = {}
+    sliced: set[Node] = set()
+    same_on_every_rank: dict[Node, str | None] = {}
     local_args: dict[Node, Local] = {}
     owner: dict[Node, _Component] = {}
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -216,9 +228,10 @@ def rewrite_graph(
             first.token_sums += other.token_sums
             first.boundaries += other.boundaries
             first.arithmetic += other.arithmetic
+            first.slices += other.slices
             for shard, users in other.gathers.items():
                 first.gathers.setdefault(shard, []).extend(users)
-            for node in other.nodes:
+            for node in other.nodes + other.slices:
                 owner[node] = first
         return first
 
@@ -229,13 +242,22 @@ def rewrite_graph(
             owner[node], dims[node] = component, dim
             continue
         sharded = [i for i in node.all_input_nodes if i in dims]
-        if not sharded:
+        if all(i in sliced for i in sharded) or node.target in _SHAPE_ONLY:  # reads no token of a shard
             continue
         parts = list({id(owner[i]): owner[i] for i in sharded}.values())
         rule = rules.get(node.target) if node.op == "call_function" else None
-        local = rule(node, dims, seeds[parts[0].seeds[0][1]][2]) if rule is not None else None
+        size = seeds[parts[0].seeds[0][1]][2]
+        local = rule(node, dims, size) if rule is not None else None
+        whole = {}
+        if local is None and rule is not None:
+            whole = _replicated_operands(node, dims, sliced, same_on_every_rank)
+            local = rule(node, {**dims, **whole}, size) if whole else None
         if local is not None:
             component = merge(parts)
+            for operand in whole:  # read as this rank's slice here, whole everywhere else
+                owner[operand], dims[operand] = component, whole[operand]
+                sliced.add(operand)
+                component.slices.append(operand)
             owner[node], dims[node], local_args[node] = component, local.dim, local
             component.nodes.append(node)
             component.arithmetic += local.role != "view"
@@ -244,7 +266,7 @@ def rewrite_graph(
             owner[sharded[0]].token_sums.append(node)
             continue
         # Any other consumer needs every token: the rewrite stops here, with an all_gather right before it.
-        for shard in sharded:
+        for shard in (s for s in sharded if s not in sliced):  # a sliced operand is read whole there
             component = owner[shard]
             component.gathers.setdefault(shard, []).append(node)
             if node.op != "output" and node.target not in gather_ok:
@@ -262,6 +284,7 @@ def rewrite_graph(
         after = sum(share * _nbytes(wait) for _, wait in component.seeds)
         after += sum(share * _nbytes(plan.shard) for plan in gathers)
         after += sum(2 * share * _nbytes(node) for node in component.token_sums)
+        after += 8 * (size - 1) if component.slices else 0  # the rank index (collectives.insert_rank)
         if not component.arithmetic:
             report.skipped.append(
                 f"{names}: no token-local arithmetic before every token is needed again"
@@ -281,6 +304,7 @@ def rewrite_graph(
             report.boundaries += component.boundaries
             _apply(graph, component, gathers, dims, local_args, seeds, report)
             changed.update(component.nodes, component.token_sums)
+            report.sliced += [node.name for node in component.slices]
     if report.converted:
         report.dead_waits_removed = collectives.eliminate_dead_collectives(graph)
         _refresh_meta(graph, changed)
@@ -357,12 +381,97 @@ def _apply(graph, component, gathers, dims, local_args, seeds, report) -> None:
     for node in component.token_sums:
         collectives.insert_all_reduce_after(graph, node, group_name)
         report.token_sums += 1
+    if component.slices:
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        region = set(component.nodes)
+        first = min((user for s in component.slices for user in s.users if user in region), key=order.__getitem__)
+        device = component.slices[0].meta["val"].device
+        rank = collectives.insert_rank(graph, size, group_name, device, before=first)
+        for operand in component.slices:
+            readers = sorted((u for u in operand.users if u in region), key=order.__getitem__)
+            local = collectives.insert_local_slice(graph, operand, dims[operand], size, rank, before=readers[0])
+            for reader in readers:
+                reader.replace_input_with(operand, local)
     for all_reduce, wait in component.seeds:
         scattered = collectives.insert_reduce_scatter(graph, all_reduce, dims[wait], size)
         wait.replace_all_uses_with(scattered)
         graph.erase_node(wait)
         graph.erase_node(all_reduce)
         report.converted += 1
+
+
+def _replicated_operands(node: Node, dims: dict[Node, int], sliced: set[Node], memo: dict) -> dict[Node, int]:
+    """Full-token operands of ``node`` (not shards, the token dim at full size, aligned right with the output)
+    that are the same on every rank: built from graph inputs by ops in ``SAME_ON_EVERY_RANK`` alone. Each
+    with its token dim; empty when there is none or the token count is symbolic."""
+    out = node.meta.get("val")
+    shards = [i for i in node.all_input_nodes if i in dims and i not in sliced]
+    if not isinstance(out, torch.Tensor) or not shards:
+        return {}
+    dim = out.ndim - shards[0].meta["val"].ndim + dims[shards[0]]
+    tokens = out.shape[dim] if 0 <= dim < out.ndim else None
+    found = {}
+    for operand in node.all_input_nodes:
+        val = operand.meta.get("val")
+        if operand in dims or not isinstance(val, torch.Tensor) or not isinstance(tokens, int):
+            continue
+        pos = dim - (out.ndim - val.ndim)
+        if pos >= 0 and val.shape[pos] == tokens and _same_on_every_rank(operand, memo):
+            found[operand] = pos
+    return found
+
+
+def _same_on_every_rank(start: Node, memo: dict[Node, str | None]) -> bool:
+    """Whether ``start`` is computed from graph inputs by ops that give every rank the same result (see
+    ``SAME_ON_EVERY_RANK``). Graph inputs count as the same on every rank: a per-rank operand meeting a replicated
+    activation would make it differ between ranks already in tensor parallelism alone. ``memo`` holds "same",
+    "random" (a random draw, through ops given numbers: the threshold and scale of a dropout mask) or None."""
+    stack = [start]
+    while stack:
+        node = stack[-1]
+        if node in memo:
+            stack.pop()
+            continue
+        pending = [i for i in node.all_input_nodes if i not in memo]
+        if pending:
+            stack += pending
+            continue
+        stack.pop()
+        inputs = [memo[i] for i in node.all_input_nodes]
+        target = node.target if node.op == "call_function" else None
+        if node.op == "placeholder":
+            memo[node] = "same"
+        elif target in RANDOM_DRAWS:
+            memo[node] = "random"
+        elif target in POSITIONS:
+            memo[node] = "same" if _counts_from_zero(node) else None
+        elif target not in SAME_ON_EVERY_RANK or not all(inputs):
+            memo[node] = None
+        elif _given_numbers(node):
+            memo[node] = "random" if inputs == ["random"] else None
+        else:
+            memo[node] = "random" if inputs and all(i == "random" for i in inputs) else "same"
+    return memo[start] is not None
+
+
+def _counts_from_zero(node: Node) -> bool:
+    """iota/arange starting at 0 with step 1: positions, not an offset baked in per rank."""
+    if node.target == torch.ops.prims.iota.default:
+        return node.kwargs.get("start", 0) == 0 and node.kwargs.get("step", 1) == 1
+    if node.target == torch.ops.aten.arange.default:
+        return True
+    return node.args[0] == 0 and (len(node.args) < 3 or node.args[2] == 1)
+
+
+def _given_numbers(node: Node) -> bool:
+    """Whether a number (not a size or a dim) is passed to ``node``: ``x - 3``, ``x > 0.1``, ``clamp(x, 0, 9)``."""
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        kind = arg.type.getElementType() if isinstance(arg.type, torch.OptionalType) else arg.type
+        if isinstance(value, (int, float)) and isinstance(kind, (torch.NumberType, torch.FloatType)):
+            return True
+    return False
 
 
 def _pattern(wait: Node, local_args: dict[Node, Local]) -> str:

@@ -21,6 +21,9 @@ from torch.fx import Node
 
 __all__ = [
     "GATHER_POINTS",
+    "POSITIONS",
+    "RANDOM_DRAWS",
+    "SAME_ON_EVERY_RANK",
     "TOKEN_LOCAL",
     "Local",
     "TokenRule",
@@ -258,6 +261,27 @@ GATHER_POINTS: set[Any] = {
     aten.linear.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
     aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default,
 }  # fmt: skip
+
+
+# Ops whose result is the same on every rank when their tensor inputs are: a full-token operand built from graph
+# inputs with these alone (a learned position embedding ``w[arange(S)]``, a replicated mask) is sliced to this
+# rank's tokens where it meets a shard, instead of gathering the shard. Contractions (a matmul with a sharded weight
+# gives per-rank partial sums), collectives and graph constants (``get_attr``) are not in it, and an op given a
+# number (``ids - offset``, ``clamp``) counts only on a random draw: a traced graph bakes per-rank numbers (a
+# vocab-parallel embedding's offset) in as constants, the dropout threshold and scale are the same on every rank.
+SAME_ON_EVERY_RANK: set[Any] = {
+    *_ELEMENTWISE, *_SAME_LAYOUT,
+    aten.gt.Scalar, aten.gt.Tensor, aten.lt.Scalar, aten.lt.Tensor, aten.ge.Scalar, aten.ge.Tensor,
+    aten.le.Scalar, aten.le.Tensor, aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor,
+    aten.logical_and.default, aten.logical_or.default, aten.logical_not.default, aten.bitwise_and.Tensor,
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.transpose.int,
+    aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
+    aten.index.Tensor, aten.embedding.default, aten.index_select.default,
+}  # fmt: skip
+# Factories: positions counted from 0 (``arange(S)``), and random draws (tensor parallelism draws a replicated
+# activation's dropout mask with the same generator state on every rank).
+POSITIONS = {torch.ops.prims.iota.default, aten.arange.default, aten.arange.start, aten.arange.start_step}
+RANDOM_DRAWS = {aten.rand.default}
 
 
 def _check_op(op: Any, what: str) -> None:

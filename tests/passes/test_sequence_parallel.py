@@ -300,11 +300,23 @@ def test_two_symbolic_sizes_are_reported_loudly(group):
 
 
 def test_full_token_operand_meeting_a_shard_leaves_graph_untouched(group):
-    partial, w1, ln = PARTIAL, W1, LN
+    """A full-token operand out of a matmul with a per-rank weight (a partial sum) may differ between ranks."""
+    partial, w1, w2, ln = PARTIAL, W1, W2, LN
     assert_untouched(
-        lambda p, x, ln, w1: rms(x + all_reduce(p, group), ln) @ w1, [partial, FULL, ln, w1],
+        lambda p, x, ln, w1, w2: rms((x @ w1) @ w2 + all_reduce(p, group), ln) @ w1, [partial, FULL, ln, w1, w2],
         "needs every token",
     )
+
+
+def test_replicated_input_meeting_a_shard_is_sliced(group):
+    """A graph input with every token (the same on every rank) is sliced to the rank's tokens, not gathered. The
+    rank index (a reduce_scatter of n int64) is 3% of this tiny all_reduce: the tolerance of install_sequence_parallel."""
+    _, gm = rewrite_and_compare(
+        lambda p, x, ln, w1: rms(x + all_reduce(p, group), ln) @ w1, [PARTIAL, FULL, LN, W1], byte_tolerance=0.05
+    )
+    assert_expected_inline(collectives_and_summary(gm), """\
+reduce_scatter_tensor reduce_scatter_tensor all_gather_into_tensor
+sequence_parallel: 1/1 all_reduce -> reduce_scatter (P3=1), 1 all_gather inserted, 1 whole operands sliced""")
 
 
 def test_dead_collectives_are_removed_although_wait_is_side_effectful(group):
