@@ -39,7 +39,8 @@ from dtensor_ext._compat.propagation import (  # noqa: F401
     propagator, rank_in_mesh,
     redistribute_costs, register_op_strategy, register_scalar_adjuster, register_single_dim, register_view_strategy,
     registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration, schema_info, set_min_cost_selector,
-    set_output_meta_computer, set_single_dim_expansion, single_dim_expansion, single_dim_func,
+    set_output_meta_computer, set_single_dim_expansion, single_dim_even_only, single_dim_expansion, single_dim_func,
+    single_dim_info_allowing_uneven,
     snapshot_registration, squeeze_dims_variants, torch_strategy_kind, wrap_single_dim_func
 )
 from dtensor_ext._compat.probes import (  # noqa: F401

@@ -430,3 +430,14 @@ def placement_transition_cost() -> Callable | None:
     from torch.distributed.tensor import _collective_utils
 
     return getattr(_collective_utils, "_compute_placement_transition_cost", None)
+
+
+def single_dim_even_only(op: OpOverload) -> bool:
+    """Whether the running torch shards `op` by a single-dim rule it declared for even shards only."""
+    info = propagator().op_single_dim_strategy_funcs.get(op)
+    return info is not None and getattr(info, "allow_uneven_sharding", True) is False
+
+
+def single_dim_info_allowing_uneven(op: OpOverload) -> Any:
+    """torch's single-dim record for `op` with uneven sharding allowed (the rule itself unchanged)."""
+    return dataclasses.replace(propagator().op_single_dim_strategy_funcs[op], allow_uneven_sharding=True)

@@ -75,11 +75,17 @@ EXCLUDED: dict[str, str] = {
     **dict.fromkeys(["as_strided", "as_strided_copy", "as_strided_scatter", "as_strided.*", "stft"], "as_strided"),
 }
 
+def _has_bool_tensor(tree: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in pytree.tree_leaves(tree))
+
+
 # Samples (not whole ops) in an excluded class: OpInfo name -> (does this sample belong to it, why). They do not
 # count against --max-samples.
 EXCLUDED_SAMPLES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # split points given as a tensor: the pieces' shapes are read from its values (a list or an int is measured)
     "tensor_split": (lambda sample: isinstance(sample.args[0], torch.Tensor), "data-dependent output shape"),
+    # a boolean mask index: x[mask] runs nonzero (dynamic_output_shape), its result's length is the mask's count
+    "__getitem__": (lambda sample: _has_bool_tensor(sample.args), "data-dependent output shape"),
 }
 
 MESHES: dict[str, tuple[int, ...]] = {"1d4": (4,), "2x2": (2, 2)}

@@ -198,3 +198,25 @@ def test_partial_pieces_add_up_exactly_in_every_order(mesh_shape, placements):
             total = total + pieces[r]
         assert torch.equal(total, t[: total.shape[0]])
     assert not torch.equal(pieces[holders[0]], t[: pieces[holders[0]].shape[0]])  # the value really is split
+
+
+def test_getitem_samples_excluded_are_exactly_the_boolean_masks():
+    """A boolean mask index is data-dependent: x[mask] holds as many rows as the mask has True values (DTensor
+    runs nonzero for it). Every other __getitem__ sample (ints, slices, lists, integer index tensors) is measured."""
+    from dtensor_ext._compat import opinfo_db
+    from dtensor_ext.tools.opdb_coverage import EXCLUDED_SAMPLES
+
+    in_class, why = EXCLUDED_SAMPLES["__getitem__"]
+    assert why == "data-dependent output shape"
+    info = next(i for i in opinfo_db() if i.name == "__getitem__")
+    excluded = 0
+    for sample in info.sample_inputs("cpu", torch.float32):
+        (index,) = sample.args
+        if not in_class(sample):
+            assert not (isinstance(index, torch.Tensor) and index.dtype == torch.bool), index
+            continue
+        excluded += 1
+        assert isinstance(index, torch.Tensor) and index.dtype == torch.bool
+        for mask in (index, ~index, torch.ones_like(index)):
+            assert sample.input[mask].shape[0] == int(mask.sum())
+    assert excluded > 0

@@ -83,9 +83,12 @@ def test_torch_alone_tensor_and_sequence_parallel(torch_alone, model):
 def test_uneven_batch_runs_with_view_copies_and_only_with_them():
     """3 rows over dp 2: every linear flattens (batch, seq), and no layout describes that flattening of an uneven
     batch as an alias (the shards hold 32 and 16 rows where Shard(0) of 48 holds 24 and 24), so views refuse it
-    unless view_copies() lets them copy."""
+    unless view_copies() lets them copy; the refusal names both ways out."""
     step = Step("llama", batch=3)
-    assert _on_mesh((2, 2), all_dtensor, step) == "fails"
+    model, inputs = step.build(), step.inputs()
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+        with pytest.raises(RuntimeError, match=r"(?s)inside `dtensor_ext.view_copies.view_copies\(\)`.*pad the batch from 3 to 4"):
+            all_dtensor(model, inputs, mesh)
     with view_copies():
         assert _on_mesh((2, 2), all_dtensor, step) == "ok"
 

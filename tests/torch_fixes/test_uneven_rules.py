@@ -1,0 +1,134 @@
+"""torch's even-only single-dim rules for upsampling, grid sampling, max-unpooling, constant_pad_nd and roll: their
+rows are exact on uneven shards (proven here with torch's own rule functions), so an uneven batch stays sharded with
+no collective; layouts that would give a rank an empty channel the kernel rejects are still avoided."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+from dtensor_ext import _compat
+from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
+from dtensor_ext.testing.checker import sample_tensor
+from dtensor_ext.torch_fixes.uneven_rules import UNEVEN_EXACT, _nothing_guarded
+from tests.rules.proof import PROVING_MESHES, assert_proven, assert_torch_validator_agrees
+from tests.torch_fixes.sharded_runs import layouts
+
+aten = torch.ops.aten
+F = torch.nn.functional
+
+# spatial size of the guarded dims in the proofs: never below 8 ranks, so no rank holds an empty channel there
+WIDE = 8
+
+
+def _samples(batch: int, channels: int, spatial: int) -> dict:
+    """op -> args for a [batch, channels, *spatial] input."""
+    x1, x2, x3 = (sample_tensor((batch, channels, *[spatial] * k)) for k in (1, 2, 3))
+    pooled2, where2 = F.max_pool2d(sample_tensor((batch, channels, 2 * spatial, 2 * spatial)), 2, return_indices=True)
+    pooled3, where3 = F.max_pool3d(sample_tensor((batch, channels, *[2 * spatial] * 3)), 2, return_indices=True)
+    grid2 = sample_tensor((batch, 3, 2, 2), seed=1).tanh()
+    grid3 = sample_tensor((batch, 2, 3, 2, 3), seed=1).tanh()
+    out = [spatial + 1]
+    return {
+        aten.upsample_nearest1d.default: [x1, out, None],
+        aten._upsample_nearest_exact1d.default: [x1, out, None],
+        aten.upsample_linear1d.default: [x1, out, False, None],
+        aten.upsample_nearest2d.default: [x2, out * 2, None],
+        aten._upsample_nearest_exact2d.default: [x2, out * 2, None],
+        aten.upsample_bilinear2d.default: [x2, out * 2, True, None],
+        aten.upsample_bicubic2d.default: [x2, out * 2, False, None],
+        aten.upsample_nearest3d.default: [x3, out * 3, None],
+        aten._upsample_nearest_exact3d.default: [x3, out * 3, None],
+        aten.upsample_trilinear3d.default: [x3, out * 3, False, None],
+        aten.max_unpool2d.default: [pooled2, where2, [2 * spatial] * 2],
+        aten.max_unpool3d.default: [pooled3, where3, [2 * spatial] * 3, [2] * 3, [0] * 3],
+        aten.grid_sampler_2d.default: [x2, grid2, 0, 0, False],
+        aten.grid_sampler_3d.default: [x3, grid3, 0, 0, False],
+        aten.constant_pad_nd.default: [x2, [1, 0, 2, 1], 0.5],
+        aten.roll.default: [x2, [1, -1], [2, 3]],
+    }
+
+
+def _torch_rule(op):
+    func = _compat.single_dim_func(op)
+    return getattr(func, "__wrapped__", func)
+
+
+@PROVING_MESHES
+@pytest.mark.parametrize("op", list(UNEVEN_EXACT), ids=str)
+@given(batch=st.integers(1, 5), channels=st.integers(1, 5), spatial=st.integers(1, 3))
+def test_torch_rule_rows_exact_on_uneven_shards(mesh_shape, op, batch, channels, spatial):
+    """Every row of torch's rule reassembles to one device on uneven and empty shards; guarded ops' channels and
+    spatial dims are wide enough that no rank's kernel sees an empty one (those layouts are filtered)."""
+    if UNEVEN_EXACT[op] is not _nothing_guarded:
+        channels, spatial = WIDE, WIDE // 2 if op in _SAME_LAYOUT else WIDE  # max_unpool's output is twice as wide
+    args = _samples(batch, channels, spatial)[op]
+    assert_proven(op, args, rule=_torch_rule(op), mesh_shape=mesh_shape)
+
+
+CALLS = {  # (input, grid) -> output
+    "interpolate nearest": lambda x, grid: F.interpolate(x, scale_factor=2),
+    "interpolate bilinear": lambda x, grid: F.interpolate(x, size=(5, 3), mode="bilinear"),
+    "pad": lambda x, grid: F.pad(x, (1, 2)),
+    "roll": lambda x, grid: torch.roll(x, 1, 3),
+    "grid_sample": lambda x, grid: F.grid_sample(x, grid, align_corners=False),
+}
+
+
+@pytest.mark.parametrize("mesh_shape, placements", [((4,), [Shard(0)]), ((2, 2), [Shard(0), Shard(0)]),
+                                                    ((2, 2, 2), [Replicate(), Shard(0), Shard(0)])],
+                         ids=["1d4", "2x2", "2x2x2"])
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_uneven_batch_stays_sharded_without_collectives(fix_state, fixed_ops, mesh_shape, placements, name):
+    """A batch of 2 over 4 ranks (1, 1, 0, 0): torch alone all-gathers it, with the fix it stays sharded."""
+    x, grid = torch.randn(2, 3, 4, 4), torch.linspace(-1, 1, 48).reshape(2, 4, 3, 2)
+    expected = CALLS[name](x, grid)
+    with simulated_mesh(mesh_shape) as mesh:
+        x_d, grid_d = place_dtensor(x, mesh, placements), place_dtensor(grid, mesh, placements)
+        with CommDebugMode() as comms:
+            out = CALLS[name](x_d, grid_d)
+        got = local_values(out.full_tensor())
+    assert all(torch.allclose(v, expected, atol=1e-6) for v in got.values())
+    fixed = fix_state == "fixed" and fixed_ops["even-only rules exact on uneven shards"]
+    if fixed:
+        assert (out.placements, comms.get_total_counts()) == (tuple(placements), 0)
+    else:
+        assert comms.get_total_counts() > 0
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
+@pytest.mark.parametrize("op", list(UNEVEN_EXACT), ids=str)
+def test_every_layout_of_an_uneven_input_is_right(mesh_shape, op):
+    """Whatever the input layout (Partial, uneven or empty shards of any dim), the result equals one device: layouts
+    that would starve a rank's kernel are moved first."""
+    args = _samples(3, 5, 2)[op]
+    expected = op(*args)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+
+    with simulated_mesh(mesh_shape) as mesh:
+        for placements in layouts(inputs[0], len(mesh_shape)):
+            rest = [place_dtensor(t, mesh, list(placements) if op in _SAME_LAYOUT else [Replicate()] * mesh.ndim)
+                    for t in inputs[1:]]
+            first = place_dtensor(inputs[0], mesh, list(placements))
+            it = iter([first, *rest])
+            call = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
+            out = op(*call)
+            out = out[0] if isinstance(out, tuple) else out
+            assert all(torch.allclose(v, expected, atol=1e-5) for v in local_values(out.full_tensor()).values()), (
+                op, placements)
+
+
+# ops whose second tensor must share the first's layout (max_unpool's indices address the input's own positions;
+# a Partial index tensor does not exist)
+_SAME_LAYOUT = {aten.max_unpool2d.default, aten.max_unpool3d.default}
+
+
+@pytest.mark.parametrize("opinfo", ["nn.functional.interpolate", "nn.functional.grid_sample", "roll",
+                                    "constant_pad_nd"])
+def test_torch_validator_agrees(opinfo):
+    assert_torch_validator_agrees(opinfo, exercised=False)
