@@ -800,11 +800,12 @@ def propagates(op: OpOverload, args: tuple, kwargs: dict | None = None) -> bool:
 
 def output_placements(op: OpOverload, args: tuple, kwargs: dict | None = None) -> tuple | None:
     """The placements torch's sharding propagation (both caches bypassed) gives `op`'s first output for `args`
-    (tensor arguments as DTensorSpecs); None where it refuses (a RuntimeError or an assertion)."""
+    (tensor arguments as DTensorSpecs); None where it refuses (a RuntimeError, an assertion, or 2.13's ValueError
+    for output specs that do not match the op's outputs)."""
     try:
         with outside_simulated_ranks():
             output = propagate_cold(OpSchema(op, tuple(args), dict(kwargs or {}))).output_spec
-    except (RuntimeError, AssertionError, KeyError):
+    except (RuntimeError, AssertionError, KeyError, ValueError):
         return None
     return (output[0] if isinstance(output, (tuple, list)) else output).placements
 
@@ -908,3 +909,25 @@ def tracing_for_compile() -> bool:
     from torch.distributed.tensor._redistribute import _are_we_tracing
 
     return _are_we_tracing()
+
+
+# --- newest torch (issue 13, continued): feature checks that run real DTensor ops on a probe mesh ---
+
+
+@contextlib.contextmanager
+def probing_dtensor_ops():
+    """Context for running real DTensor ops (ones that need no communication) on probe DTensors as rank 0: outside
+    simulated ranks, and both sharding caches cleared on leaving, so a probe leaves nothing behind."""
+    try:
+        with outside_simulated_ranks():
+            yield
+    finally:
+        clear_sharding_caches()
+
+
+def probe_dtensor(local: torch.Tensor, placements: Sequence[Placement], shape: Sequence[int],
+                  mesh_shape: Sequence[int] = (2,)) -> DTensor:
+    """A DTensor of global `shape` placed so on a probe mesh of `mesh_shape`, whose rank 0 holds `local`."""
+    shape = torch.Size(shape)
+    return DTensor.from_local(local, probe_mesh(mesh_shape), tuple(placements), run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
