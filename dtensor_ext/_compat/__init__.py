@@ -24,39 +24,38 @@ from dtensor_ext._compat.types import (  # noqa: F401
     funcol, is_placeholder, is_tensor_evenly_shardable, is_tensor_shardable, LocalTensor, LocalTensorMode,
     MaskPartial, MeshTopoInfo, OpOverload, OpOverloadPacket, OpSchema, OpSpec, OpStrategy, Partial, Placement,
     pytree, redistribute_cost, reduce_scatter_cost, Replicate, RuntimeSchemaInfo, Shard, ShardingPlaceholder,
-    StridedShard, tensor_meta, TensorMeta, torch_op_names, TORCH_VERSION, TorchDispatchMode, TupleStrategy
+    StridedShard, tensor_meta, TensorMeta, torch_op_names, TORCH_VERSION, TorchDispatchMode, TupleStrategy,
 )
 from dtensor_ext._compat.testing import (  # noqa: F401
     current_local_tensor_mode, enabled_local_tensor_mode, local_int, local_tensor_values, opinfo_db,
     outside_dispatch_modes, outside_simulated_ranks, per_simulated_rank, rank_results_combiner,
-    set_rank_results_combiner
+    set_rank_results_combiner,
 )
 from dtensor_ext._compat.propagation import (  # noqa: F401
     auto_register_variants, clear_sharding_caches, compare_operator, DIRECT_STRATEGY_KINDS,
     dtensor_collective_costs, expand_sharding, full_mesh_strategy_filter, full_single_dim_expansion,
     greedy_redistribution_planned, known_equal, local_shapes, min_cost_selector, op_strategy_func, op_strategy_rows,
     output_meta_computer, output_tensor_meta, placement_transition_cost, PreparedSingleDimStrategy, propagate_cold,
-    propagator, rank_in_mesh,
-    redistribute_costs, register_op_strategy, register_scalar_adjuster, register_single_dim, register_view_strategy,
-    registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration, schema_info, set_min_cost_selector,
-    set_output_meta_computer, set_single_dim_expansion, single_dim_even_only, single_dim_expansion, single_dim_func,
-    single_dim_info_allowing_uneven,
-    snapshot_registration, squeeze_dims_variants, torch_strategy_kind, wrap_single_dim_func
+    propagator, rank_in_mesh, redistribute_costs, register_op_strategy, register_scalar_adjuster,
+    register_single_dim, register_view_strategy, registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration,
+    schema_info, set_min_cost_selector, set_output_meta_computer, set_single_dim_expansion, single_dim_even_only,
+    single_dim_expansion, single_dim_func, single_dim_info_allowing_uneven, snapshot_registration,
+    squeeze_dims_variants, torch_strategy_kind, wrap_single_dim_func,
 )
 from dtensor_ext._compat.probes import (  # noqa: F401
-    conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_mesh, probe_spec,
-    propagates, shard_to_partial_refused, shard_to_partial_sum_supported, unbind_refuses_sharded_dim,
-    view_groups_drops_empty_dims
+    conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_dtensor, probe_mesh,
+    probe_spec, probing_dtensor_ops, propagates, shard_to_partial_refused, shard_to_partial_sum_supported,
+    unbind_refuses_sharded_dim, view_groups_drops_empty_dims,
 )
 from dtensor_ext._compat.dispatch import (  # noqa: F401
     custom_op_handler, dispatch_redistributor, load_linear_cross_entropy_ops, mask_buffer_type,
     propagate_and_redistribute, quiet_redistribute_warnings, redistribute_local_tensor_functions,
     set_custom_op_handler, set_dispatch_redistributor, set_redistribute_local_tensor, tp_convolution_kernels,
-    tracing_for_compile, wrap_local_results
+    tracing_for_compile, wrap_local_results,
 )
 from dtensor_ext._compat.collectives import (  # noqa: F401
-    default_store, flat_collectives, flattened_mesh, group_size, mesh_coordinates_by_rank, process_group_of
+    default_store, flat_collectives, flattened_mesh, group_size, mesh_coordinates_by_rank, process_group_of,
 )
 from dtensor_ext._compat.compile import (  # noqa: F401
-    fake_mode_of, inductor_custom_pass_api, inductor_joint_pass_slot, size_hint
+    fake_mode_of, inductor_custom_pass_api, inductor_joint_pass_slot, size_hint,
 )

@@ -5,6 +5,7 @@ The torch fixes decide from these whether a defect is there, never from version 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dtensor_ext._compat.propagation import propagate_cold
+from dtensor_ext._compat.propagation import clear_sharding_caches, propagate_cold
 from dtensor_ext._compat.testing import outside_simulated_ranks
 from dtensor_ext._compat.types import tensor_meta
 
@@ -136,10 +137,30 @@ def propagates(op: OpOverload, args: tuple, kwargs: dict | None = None) -> bool:
 
 def output_placements(op: OpOverload, args: tuple, kwargs: dict | None = None) -> tuple | None:
     """The placements torch's sharding propagation (both caches bypassed) gives `op`'s first output for `args`
-    (tensor arguments as DTensorSpecs); None where it refuses (a RuntimeError or an assertion)."""
+    (tensor arguments as DTensorSpecs); None where it refuses (a RuntimeError, an assertion, or 2.13's ValueError
+    for output specs that do not match the op's outputs)."""
     try:
         with outside_simulated_ranks():
             output = propagate_cold(OpSchema(op, tuple(args), dict(kwargs or {}))).output_spec
-    except (RuntimeError, AssertionError, KeyError):
+    except (RuntimeError, AssertionError, KeyError, ValueError):
         return None
     return (output[0] if isinstance(output, (tuple, list)) else output).placements
+
+
+@contextlib.contextmanager
+def probing_dtensor_ops():
+    """Context for running real DTensor ops (ones that need no communication) on probe DTensors as rank 0: outside
+    simulated ranks, and both sharding caches cleared on leaving, so a probe leaves nothing behind."""
+    try:
+        with outside_simulated_ranks():
+            yield
+    finally:
+        clear_sharding_caches()
+
+
+def probe_dtensor(local: torch.Tensor, placements: Sequence[Placement], shape: Sequence[int],
+                  mesh_shape: Sequence[int] = (2,)) -> DTensor:
+    """A DTensor of global `shape` placed so on a probe mesh of `mesh_shape`, whose rank 0 holds `local`."""
+    shape = torch.Size(shape)
+    return DTensor.from_local(local, probe_mesh(mesh_shape), tuple(placements), run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())

@@ -9,9 +9,12 @@ sums the shards' counts. Only that count crosses ranks; the inputs are never gat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dtensor_ext import _compat
+from dtensor_ext._compat import Replicate
 from dtensor_ext.torch_fixes import swap_handlers, torch_fix
 
 aten = torch.ops.aten
@@ -28,6 +31,14 @@ def _allclose(op_call, args, kwargs):
     return int(close.logical_not().sum().full_tensor().item()) == 0
 
 
+@functools.cache
+def _torch_refuses_allclose() -> bool:
+    """Feature check: torch's propagation of `allclose` of two replicated [2, 2] tensors on a 2-rank probe mesh
+    finds no strategy."""
+    x = _compat.probe_spec(torch.zeros(2, 2), (Replicate(),))
+    return not _compat.propagates(aten.allclose.default, (x, x))
+
+
 @torch_fix(
     "allclose has no strategy",
     ops=("aten::allclose.default",),
@@ -36,6 +47,6 @@ def _allclose(op_call, args, kwargs):
 )
 def fix_allclose():
     op = aten.allclose.default
-    if _compat.custom_op_handler(op) is not None or _compat.torch_strategy_kind(op) in _compat.DIRECT_STRATEGY_KINDS:
-        return None  # this torch answers allclose itself
+    if _compat.custom_op_handler(op) is not None or not _torch_refuses_allclose():
+        return None  # this torch answers allclose itself (a handler of its own is never replaced)
     return swap_handlers({op: _allclose})

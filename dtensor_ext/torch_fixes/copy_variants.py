@@ -19,10 +19,13 @@ Both strategies also keep a Partial input Partial, where the fallback all-reduce
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext.torch_fixes import restorer, swap_handlers, torch_fix, undo_all
+from dtensor_ext._compat import Replicate, Shard
+from dtensor_ext.torch_fixes import applied_to, restorer, swap_handlers, torch_fix, undo_all
 from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
 aten = torch.ops.aten
@@ -42,6 +45,23 @@ _UNSAFE_SPLITS = {
 }
 
 
+@functools.cache
+def _squeeze_copy_squeezes_local_dims() -> bool:
+    """Feature check: `squeeze_copy()` of a [2, 3] tensor placed Shard(0) on a 2-rank probe mesh, run as rank 0
+    (local piece [1, 3]), returns a local piece with fewer dims than the DTensor claims."""
+    with _compat.probing_dtensor_ops():
+        out = aten.squeeze_copy.default(_compat.probe_dtensor(torch.zeros(1, 3), (Shard(0),), (2, 3)))
+        return out._local_tensor.ndim != out.ndim
+
+
+@functools.cache
+def _refuses_single_piece(op) -> bool:
+    """Feature check: torch's propagation of `op` splitting a replicated [2, 2] tensor into one piece on a 2-rank
+    probe mesh fails."""
+    split = 2 if op is aten.unsafe_split.Tensor else [2]
+    return not _compat.propagates(op, (_compat.probe_spec(torch.zeros(2, 2), (Replicate(),)), split))
+
+
 @torch_fix(
     "squeeze_copy squeezes local size-1 dims",
     ops=("aten::squeeze_copy.default", "aten::squeeze_copy.dim", "aten::squeeze_copy.dims"),
@@ -50,7 +70,7 @@ _UNSAFE_SPLITS = {
 def fix_squeeze_copy():
     variants = _compat.squeeze_dims_variants()
     op = aten.squeeze_copy.dims
-    if variants is None or op in variants or _compat.torch_strategy_kind(op) not in ("decomposition", None):
+    if variants is None or op in variants or not _squeeze_copy_squeezes_local_dims():
         return None
     undos = [restorer(op)]
     _compat.register_view_strategy(op, torch.squeeze, schema_info=_compat.RuntimeSchemaInfo(1))
@@ -70,8 +90,8 @@ def fix_unsafe_split():
     faulty = {
         op: split
         for op, split in _UNSAFE_SPLITS.items()
-        if _compat.torch_strategy_kind(op) in ("decomposition", None) and _compat.op_strategy_func(split) is not None
+        if _compat.op_strategy_func(split) is not None and _refuses_single_piece(op)
     }
     if not faulty:
         return None
-    return wrap_strategies(faulty, lambda split_strategy: split_strategy, strategy_of=faulty.get)
+    return applied_to(faulty, wrap_strategies(faulty, lambda split_strategy: split_strategy, strategy_of=faulty.get))

@@ -12,8 +12,12 @@ in-place or out= op (whose result must keep its placement; those still fail as b
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from dtensor_ext import _compat
-from dtensor_ext._compat import DTensorSpec, OpSpec, Replicate
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, Partial, Replicate, Shard
 from dtensor_ext.torch_fixes import torch_fix
 
 
@@ -39,12 +43,31 @@ def _all_replicate(chosen: OpSpec, inputs: list[DTensorSpec]) -> OpSpec:
     return OpSpec(output_specs=outputs, input_specs=targets, redistribute_cost=costs)
 
 
+CROSSWISE = ((Shard(0), Partial()), (Partial(), Shard(0)), (Shard(0), Partial()))
+
+
+@functools.cache
+def _torch_picks_impossible_moves() -> bool:
+    """Feature check: torch's pick for `cat` of three [4, 2] tensors laid out crosswise on a 2x2 probe mesh asks an
+    input for a move DTensor cannot make."""
+    op = torch.ops.aten.cat.default
+    inputs = [_compat.probe_spec(torch.zeros(4, 2), placements, (2, 2)) for placements in CROSSWISE]
+    schema = OpSchema(op, (inputs, 0), {}, schema_info=_compat.schema_info(op))
+    with _compat.outside_simulated_ranks():
+        moved = _compat.propagate_cold(schema).redistribute_schema
+    if moved is None:
+        return False
+    return any(_impossible(spec, target) for spec, target in zip(inputs, moved.args_spec))
+
+
 @torch_fix(
     "impossible redistribution chosen",
     ops=("(strategy selection of every op)",),
     why="torch picks a strategy needing Shard -> Partial when all its candidates need it; Replicate is possible",
 )
 def fix_impossible_choice():
+    if not _torch_picks_impossible_moves():
+        return None
     torch_select = _compat.min_cost_selector()
 
     def select(strategy, op_schema=None):

@@ -11,11 +11,13 @@ DTensor); a plain tensor next to a DTensor in any other op is still refused.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate
 from dtensor_ext.torch_fixes import torch_fix
 
@@ -45,6 +47,19 @@ def _with_replicated_lists(self: DTensor, index: Any) -> Any:
     return _replicated_if_rank_data(self, index)
 
 
+@functools.cache
+def _refuses_list_index() -> bool:
+    """Feature check: `x[[0, 1]]` of a replicated [2, 3] DTensor on a 2-rank probe mesh, run as rank 0, raises
+    (nothing needs moving, so only the plain index tensor next to the DTensor can make it fail)."""
+    with _compat.probing_dtensor_ops():
+        x = _compat.probe_dtensor(torch.zeros(2, 3), (Replicate(),), (2, 3))
+        try:
+            x[[0, 1]]
+        except RuntimeError:
+            return True
+    return False
+
+
 @torch_fix(
     "DTensor indexing with a Python list or a plain tensor",
     ops=("aten::index.Tensor", "aten::index_put_.default"),
@@ -52,19 +67,26 @@ def _with_replicated_lists(self: DTensor, index: Any) -> Any:
     "passes next to it",
 )
 def fix_list_indices():
-    if "__getitem__" in vars(DTensor) or "__setitem__" in vars(DTensor):
-        return None  # this torch indexes DTensors in Python already
+    if not _refuses_list_index():
+        return None  # this torch indexes DTensors with lists itself
+    own = {name: vars(DTensor).get(name) for name in ("__getitem__", "__setitem__")}  # torch's, where it has them
+    torch_getitem = own["__getitem__"] or torch.Tensor.__getitem__
+    torch_setitem = own["__setitem__"] or torch.Tensor.__setitem__
 
     def getitem(self, index):
-        return torch.Tensor.__getitem__(self, _with_replicated_lists(self, index))
+        return torch_getitem(self, _with_replicated_lists(self, index))
 
     def setitem(self, index, value):
         value = _replicated_if_rank_data(self, value)
-        return torch.Tensor.__setitem__(self, _with_replicated_lists(self, index), value)
+        return torch_setitem(self, _with_replicated_lists(self, index), value)
 
     DTensor.__getitem__, DTensor.__setitem__ = getitem, setitem
 
     def undo():
-        del DTensor.__getitem__, DTensor.__setitem__
+        for name, method in own.items():
+            if method is None:
+                delattr(DTensor, name)
+            else:
+                setattr(DTensor, name, method)
 
     return undo

@@ -14,6 +14,8 @@ rejects an empty shard of a dim before the axis, so such layouts are replicated 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -72,6 +74,20 @@ def _segment_handler(data_args: int):
     return handle
 
 
+@functools.cache
+def _torch_refuses_segments(op) -> bool:
+    """Feature check: torch's propagation of `op` on a replicated [2, 2] data tensor with replicated `lengths=`
+    (one segment of 2 along axis 0) on a 2-rank probe mesh finds no strategy."""
+    data, reduced = torch.zeros(2, 2), torch.zeros(1, 2)
+    replicated = {name: _compat.probe_spec(t, (Replicate(),))
+                  for name, t in (("data", data), ("reduced", reduced), ("lengths", torch.tensor([2])))}
+    if op is aten.segment_reduce.default:
+        args = (replicated["data"], "sum")
+    else:  # grad and output have the reduced shape
+        args = (replicated["reduced"], replicated["reduced"], replicated["data"], "sum")
+    return not _compat.propagates(op, args, {"lengths": replicated["lengths"]})
+
+
 @torch_fix(
     "segment_reduce keyword tensors",
     ops=("aten::segment_reduce.default", "aten::_segment_reduce_backward.default"),
@@ -86,7 +102,7 @@ def fix_segment_reduce():
     ours = {
         op: handler
         for op, handler in handlers.items()
-        if _compat.torch_strategy_kind(op) is None and _compat.custom_op_handler(op) is None
+        if _compat.custom_op_handler(op) is None and _torch_refuses_segments(op)
     }
     if not ours:
         return None

@@ -34,11 +34,15 @@ LAYOUTS = {
 }
 
 
-def test_torch_alone_refuses_allclose(torch_only):
+def test_torch_alone_refuses_allclose_where_the_check_finds_it(fixed_ops, torch_only):
+    """Where the feature check finds no strategy, torch alone fails; elsewhere its answer is the one-device one."""
     with simulated_mesh((4,)) as mesh:
-        a = distribute_tensor(A, mesh, [Replicate()])
-        with pytest.raises(RuntimeError, match="allclose"):
-            torch.allclose(a, a)
+        a, one_off = (distribute_tensor(t, mesh, [Shard(0)]) for t in (A, ONE_OFF))
+        if "aten::allclose.default" in fixed_ops["allclose has no strategy"]:
+            with pytest.raises(RuntimeError, match="allclose"):
+                torch.allclose(a, a)
+            return
+        assert torch.allclose(a, a) and not torch.allclose(a, one_off)
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])

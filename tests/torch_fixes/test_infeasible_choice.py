@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from dtensor_ext._compat import TORCH_VERSION
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 from tests.torch_fixes.sharded_runs import pair_runs_without_and_with_fixes
 
@@ -18,23 +17,22 @@ def _values(t) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dim", [0, 1])
-def test_cat_of_crosswise_layouts_fails_in_torch_and_is_replicated_when_fixed(fix_state, dim):
+def test_cat_of_crosswise_layouts_fails_in_torch_and_is_replicated_when_fixed(fixed_ops, fix_state, dim):
+    """Where the feature check finds torch picking an impossible move (2.13), torch alone fails and the fix runs
+    the cat replicated; where it does not (2.15 picks a move it can make), torch alone is right."""
+    defect = bool(fixed_ops["impossible redistribution chosen"])
     torch.manual_seed(0)
     xs = [torch.randn(5, 3) for _ in CROSSWISE]
     expected = torch.cat(xs, dim)
     with simulated_mesh((2, 2)) as mesh:
         parts = [place_dtensor(x, mesh, p) for x, p in zip(xs, CROSSWISE)]
-        if fix_state == "torch only":
-            try:
-                out = torch.cat(parts, dim)
-            except RuntimeError as e:
-                assert "to P(sum) not supported" in str(e)
-                return
-            # torch 2.14 finds a strategy of its own; 2.13.0 (CI) has the defect
-            assert TORCH_VERSION != "2.13.0", "torch 2.13.0 was seen to fail here"
-        else:
-            out = torch.cat(parts, dim)
-            assert TORCH_VERSION != "2.13.0" or out.placements == (Replicate(), Replicate())
+        if fix_state == "torch only" and defect:
+            with pytest.raises(RuntimeError, match="to P\\(sum\\) not supported"):
+                torch.cat(parts, dim)
+            return
+        out = torch.cat(parts, dim)
+        if defect:
+            assert out.placements == (Replicate(), Replicate())
         assert all(torch.allclose(v, expected, atol=1e-5) for v in _values(out))
 
 
