@@ -43,6 +43,9 @@ def _ensure_fake_world(world_size: int) -> None:
             return
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=world_size)
+    # A mesh of the new world compares equal to one of the same shape from the old world, so DTensor's propagation
+    # caches would hand back output specs on the old mesh, whose process groups no longer exist.
+    _compat.clear_sharding_caches()
 
 
 @contextlib.contextmanager

@@ -38,3 +38,24 @@ def test_ranks_may_differ_in_lazy_conjugation():
         gathered = out.full_tensor()
     for value in local_values(gathered).values():
         torch.testing.assert_close(value, expected)
+
+
+def test_a_new_fake_world_drops_cached_strategies_on_the_old_worlds_meshes():
+    """Meshes of the same shape compare equal across fake worlds. Without clearing DTensor's propagation caches, an
+    op's cached output spec would still name a sub-mesh of the old world, whose process group (here one created
+    after several others, so its name does not exist yet in the new world) is gone."""
+    x = sample_tensor((8, 4))
+
+    def doubled_on_tp(meshes_before: int) -> torch.Tensor:
+        for _ in range(meshes_before):
+            with simulated_mesh((2, 2)):
+                pass
+        with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+            tp = mesh["tp"]
+            return (distribute_tensor(x, tp, [Shard(0)]) * 2).redistribute(tp, [Replicate()]).full_tensor()
+
+    doubled_on_tp(meshes_before=5)
+    with simulated_mesh((2,)):  # another world size: the fake world is made again
+        pass
+    for value in local_values(doubled_on_tp(meshes_before=0)).values():
+        torch.testing.assert_close(value, x * 2)
