@@ -4,12 +4,10 @@ collectives of the hand-written torchtitan plan + fully_shard."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.policy.gloo_ranks import spawn_ranks
 
 WORLD = 4
 
@@ -82,13 +80,5 @@ def _rank_main(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-def _rank_main_without_teardown(rank: int, init_file: str) -> None:
-    _rank_main(rank, init_file)
-    # Every check passed (a failure raises before this line and spawn reports it). Skip interpreter teardown: on a
-    # loaded machine a gloo background thread aborted it ("terminate called without an active exception").
-    sys.stdout.flush()
-    os._exit(0)
-
-
 def test_llama_yaml_plan_on_four_gloo_ranks(tmp_path):
-    mp.spawn(_rank_main_without_teardown, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True)
+    spawn_ranks(_rank_main, WORLD, tmp_path)

@@ -1,0 +1,22 @@
+"""Four real gloo processes for the policy tests that need real ranks (FSDP2, data-dependent expert loops)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch.multiprocessing as mp
+
+
+def _run_without_teardown(rank: int, rank_main: Callable[[int, str], None], init_file: str) -> None:
+    rank_main(rank, init_file)
+    # Every check passed (a failure raises before this line and spawn reports it). Skip interpreter teardown: on a
+    # loaded machine a gloo background thread aborted it ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def spawn_ranks(rank_main: Callable[[int, str], None], world: int, tmp_path) -> None:
+    """Run the module-level `rank_main(rank, init_file)` on `world` processes rendezvousing through a file."""
+    mp.spawn(_run_without_teardown, args=(rank_main, str(tmp_path / "rendezvous")), nprocs=world, join=True)
