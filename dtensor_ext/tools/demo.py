@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_ext
-from dtensor_ext._compat import LocalTensor, enabled_local_tensor_mode, local_tensor_values
+from dtensor_ext._compat import LocalTensor, enabled_local_tensor_mode, funcol, local_tensor_values
 from dtensor_ext.models import LlamaConfig, TinyLlama, moe_tensor_parallel_plan, torchtitan_plan
 from dtensor_ext.redistribute import engine
 from dtensor_ext.testing.mesh import simulated_mesh
