@@ -58,7 +58,12 @@ def simulated_mesh(
         raise ValueError(f"mesh_dim_names {tuple(mesh_dim_names)} must name each of the {len(dims)} mesh dims")
     world = math.prod(dims)
     _ensure_fake_world(world)
-    with LocalTensorMode(frozenset(range(world))), _masks_applied_per_rank(), _conjugation_resolved_across_ranks():
+    with (
+        LocalTensorMode(frozenset(range(world))),
+        _masks_applied_per_rank(),
+        _conjugation_resolved_across_ranks(),
+        _equal_judged_on_every_rank(),
+    ):
         yield init_device_mesh(
             device_type, dims, mesh_dim_names=tuple(mesh_dim_names) if mesh_dim_names else None
         )
@@ -116,6 +121,36 @@ def _conjugation_resolved_across_ranks() -> Iterator[None]:
         yield
     finally:
         _compat.set_rank_results_combiner(combine)
+
+
+@_compat.per_simulated_rank
+def _equal_on_rank(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(torch.equal(a, b))
+
+
+def _equal_across_ranks(op_call, args, kwargs) -> bool:
+    op_info, _, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    return all(bool(v) for v in local_tensor_values(_equal_on_rank(*op_info.local_args[:2])).values())
+
+
+@contextlib.contextmanager
+def _equal_judged_on_every_rank() -> Iterator[None]:
+    """`torch.equal` of DTensors answers False when any rank's shards differ, as on real ranks.
+
+    DTensor runs `equal` on each rank's shards and all-reduces the bools with MIN. Under LocalTensorMode the
+    per-rank bools of one call leave the kernel as a single Python bool (not one per rank), so the simulated answer
+    was rank 0's: True for two tensors that differ only in another rank's shard. Here each rank's bool is kept in a
+    tensor and the ranks' answers are combined, which is what the all-reduce does on real ranks.
+    """
+    op = torch.ops.aten.equal.default
+    if _compat.custom_op_handler(op) is not None:  # someone else's handler: theirs to simulate
+        yield
+        return
+    _compat.set_custom_op_handler(op, _equal_across_ranks)
+    try:
+        yield
+    finally:
+        _compat.set_custom_op_handler(op, None)
 
 
 def active_mode() -> LocalTensorMode:

@@ -59,3 +59,45 @@ def test_a_new_fake_world_drops_cached_strategies_on_the_old_worlds_meshes():
         pass
     for value in local_values(doubled_on_tp(meshes_before=0)).values():
         torch.testing.assert_close(value, x * 2)
+
+
+def _equal_cases(mesh, placements):
+    """(torch.equal of the two DTensors, of the two plain tensors) for a pair differing in the last element only,
+    which lives on the last rank under any row sharding, and for a pair that is the same."""
+    a = torch.arange(24.0).reshape(8, 3)
+    b = a.clone()
+    b[-1, -1] = -1.0
+    da, db = (distribute_tensor(t, mesh, placements) for t in (a, b))
+    return [(torch.equal(da, db), torch.equal(a, b)), (torch.equal(da, distribute_tensor(a.clone(), mesh, placements)), True)]
+
+
+def test_equal_is_false_when_only_another_ranks_shard_differs():
+    for shape, placements in [((4,), [Shard(0)]), ((2, 2), [Shard(0), Shard(1)]), ((2, 2), [Replicate(), Shard(0)])]:
+        with simulated_mesh(shape) as mesh:
+            for got, expected in _equal_cases(mesh, placements):
+                assert got is expected, (shape, placements)
+
+
+def test_equal_handler_is_gone_after_the_mesh():
+    with simulated_mesh((2,)):
+        assert _compat.custom_op_handler(torch.ops.aten.equal.default) is not None
+    assert _compat.custom_op_handler(torch.ops.aten.equal.default) is None
+
+
+def _equal_on_gloo_rank(rank: int, init_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    try:
+        for got, expected in _equal_cases(init_device_mesh("cpu", (4,)), [Shard(0)]):
+            assert got is expected, rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_simulated_equal_agrees_with_real_ranks(tmp_path):
+    """What the simulation must reproduce: on real ranks DTensor's all-reduce of the per-rank bools answers False."""
+    from tests.policy.gloo_ranks import spawn_ranks
+
+    spawn_ranks(_equal_on_gloo_rank, 4, tmp_path)
