@@ -48,8 +48,8 @@ from dtensor_ext._compat.probes import (  # noqa: F401
     unbind_refuses_sharded_dim, view_groups_drops_empty_dims,
 )
 from dtensor_ext._compat.dispatch import (  # noqa: F401
-    custom_op_handler, dispatch_redistributor, load_linear_cross_entropy_ops, mask_buffer_type,
-    propagate_and_redistribute, quiet_redistribute_warnings, redistribute_local_tensor_functions,
+    custom_op_handler, dispatch_redistributor, load_linear_cross_entropy_ops, mask_buffer_type, own_rows,
+    propagate_and_redistribute, quiet_redistribute_warnings, redistribution_steps, suggested_input_specs, redistribute_local_tensor_functions,
     set_custom_op_handler, set_dispatch_redistributor, set_redistribute_local_tensor, tp_convolution_kernels,
     tracing_for_compile, wrap_local_results,
 )

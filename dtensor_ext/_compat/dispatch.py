@@ -60,6 +60,23 @@ def propagate_and_redistribute(op_call: OpOverload, args: tuple, kwargs: dict) -
     return op_info, sharding, schema
 
 
+def suggested_input_specs(op_call: OpOverload, args: tuple, kwargs: dict) -> tuple:
+    """The input specs DTensor's propagation picks for `op_call` on `args` (what it would redistribute them to),
+    one per flat schema argument; nothing is moved."""
+    op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    schema = sharding.redistribute_schema if sharding.needs_redistribute else op_info.schema
+    return schema.args_schema
+
+
+def redistribution_steps(source: Any, target: Any) -> list[tuple[int, Any, Any]]:
+    """(mesh dim, from, to) for each step of torch's plan moving a tensor from spec `source` to spec `target`."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    return [(step.mesh_dim, *step.src_dst_placements) for step in _gen_transform_infos(source, target)]
+
+
 def wrap_local_results(local_results: object, output_spec: Any) -> object:
     return DTensor._op_dispatcher.wrap(local_results, output_spec)
 
@@ -120,3 +137,11 @@ def tracing_for_compile() -> bool:
     from torch.distributed.tensor._redistribute import _are_we_tracing
 
     return _are_we_tracing()
+
+
+def own_rows(rows: int, mesh, mesh_dim: int) -> tuple[Any, Any]:
+    """(how many, first) of `rows` this rank holds when they are sharded on `mesh_dim`; on simulated ranks each is a
+    per-rank integer that ops on the rank's local tensors read as that rank's value."""
+    from torch.distributed.tensor import Shard
+
+    return Shard.local_shard_size_and_offset(rows, mesh.size(mesh_dim), mesh._sym_get_coordinate(mesh_dim))

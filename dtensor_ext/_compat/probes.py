@@ -164,3 +164,4 @@ def probe_dtensor(local: torch.Tensor, placements: Sequence[Placement], shape: S
     shape = torch.Size(shape)
     return DTensor.from_local(local, probe_mesh(mesh_shape), tuple(placements), run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
+

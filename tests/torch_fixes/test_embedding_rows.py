@@ -72,7 +72,7 @@ def test_lookups_give_the_one_device_rows(restore_install, mesh_shape, weight_pl
 def test_layouts_torch_handled_keep_placements_and_collectives(restore_install):
     weight = sample_tensor((10, 6))
     cases = [([Shard(0), Replicate()], None), ([Replicate(), Shard(0)], None), ([Shard(1), Shard(0)], None),
-             ([Replicate(), Replicate()], [Shard(0), Replicate()]), ([Shard(0), Replicate()], [Replicate(), Shard(0)])]
+             ([Replicate(), Replicate()], [Shard(0), Replicate()]), ([Shard(0), Replicate()], [Shard(0), Replicate()])]
     seen = {}
     for fix in (False, True):
         dtensor_ext.install(fix_torch=fix)
@@ -84,3 +84,56 @@ def test_layouts_torch_handled_keep_placements_and_collectives(restore_install):
                     outs = [F.embedding(index, dweight) for index in indices]
                 seen.setdefault(fix, []).append(([str(o.placements) for o in outs], comm.get_total_counts()))
     assert seen[True] == seen[False]
+
+
+MASK_ORDER = "embedding mask outlived by a gather"
+# rows sharded on one mesh dim, the indices sharded on another: the mask torch makes on the rows' mesh dim is
+# outgrown by a gather of the indices' mesh dim (of the output, or of the indices themselves before the lookup)
+ROWS_AND_INDICES_ON_DIFFERENT_MESH_DIMS = [
+    ((2, 2), [Shard(0), Replicate()], [Replicate(), Shard(0)]),
+    ((2, 2), [Shard(0), Replicate()], [Replicate(), Shard(1)]),
+    ((2, 2), [Shard(0), Partial()], [Replicate(), Shard(0)]),
+    ((2, 2), [Shard(0), Shard(1)], [Replicate(), Shard(1)]),
+    ((2, 2, 2), [Shard(0), Replicate(), Replicate()], [Replicate(), Shard(0), Shard(1)]),
+    ((2, 2, 2), [Replicate(), Shard(0), Replicate()], [Replicate(), Replicate(), Shard(0)]),
+]
+
+
+def _lookup(mesh_shape, weight_placements, index_placements, index_shape):
+    torch.manual_seed(0)
+    weight = sample_tensor((10, 6))
+    index = torch.randint(0, 10, index_shape)
+    with simulated_mesh(mesh_shape) as mesh:
+        out = F.embedding(distribute_tensor(index, mesh, index_placements), place_dtensor(weight, mesh, weight_placements))
+        return agrees(out, F.embedding(index, weight))
+
+
+@pytest.mark.parametrize("mesh_shape, weight_placements, index_placements", ROWS_AND_INDICES_ON_DIFFERENT_MESH_DIMS)
+@pytest.mark.parametrize("index_shape", [(4, 6), (3, 5)], ids=["even", "uneven"])
+def test_rows_and_indices_on_different_mesh_dims(restore_install, mesh_shape, weight_placements, index_placements,
+                                                 index_shape):
+    dtensor_ext.install()
+    assert _lookup(mesh_shape, weight_placements, index_placements, index_shape)
+
+
+@pytest.mark.parametrize("mesh_shape, weight_placements, index_placements", ROWS_AND_INDICES_ON_DIFFERENT_MESH_DIMS)
+def test_torch_alone_outgrows_the_mask_where_the_feature_check_says(fixed_ops, torch_only, mesh_shape,
+                                                                     weight_placements, index_placements):
+    if "aten::embedding.default" in fixed_ops[MASK_ORDER]:
+        with pytest.raises(IndexError):
+            _lookup(mesh_shape, weight_placements, index_placements, (4, 6))
+    else:
+        assert _lookup(mesh_shape, weight_placements, index_placements, (4, 6))
+
+
+def test_a_mask_on_the_only_sharded_index_free_layout_stays_deferred(restore_install):
+    """1-D vocabulary parallelism and an embedding dim sharded next to the mask keep torch's deferred reduction."""
+    weight, index = sample_tensor((10, 6)), torch.tensor([[1, 9], [4, 5]])
+    for mesh_shape, weight_placements in [((4,), [Shard(0)]), ((2, 2), [Shard(1), Shard(0)])]:
+        with simulated_mesh(mesh_shape) as mesh:
+            dindex = distribute_tensor(index, mesh, [Replicate()] * mesh.ndim)
+            dweight = distribute_tensor(weight, mesh, weight_placements)
+            with CommDebugMode() as comm:
+                out = F.embedding(dindex, dweight)
+            assert comm.get_total_counts() == 0 and any(p.is_partial() for p in out.placements)
+            assert agrees(out, F.embedding(index, weight))
