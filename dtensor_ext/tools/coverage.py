@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opdb.add_argument("--max-shardings", type=int, default=4, help="input shardings per sample and mesh")
     opdb.add_argument("--meshes", type=lambda s: s.split(","), default=["1d4", "2x2"], help="1d4 and/or 2x2")
     opdb.add_argument("--timeout", type=float, default=30.0, help="seconds per sharded run before it counts as timeout")
+    opdb.add_argument("--no-local-check", action="store_true",
+                      help="skip the 1-D check whether local compute was enough where DTensor communicated "
+                      "(one forked process per such run; the report's last row stays empty)")
     opdb.add_argument("--verbose", action="store_true", help="list every failing op, and progress on stderr")
 
 

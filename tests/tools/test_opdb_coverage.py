@@ -79,6 +79,18 @@ def test_communication_where_a_local_strategy_exists_is_reported():
     assert result["results"]["1d4"]["without"]["examples"]["mv"]["communicated"].startswith("sample 0 [(")
 
 
+def test_no_local_check_skips_the_probe_and_says_so():
+    with _torch_rule(torch.ops.aten.mv.default, lambda op, args, kwargs: []):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(["coverage", "--opdb", "--json", "--ops", "mv", "--max-samples", "1", "--max-shardings", "20",
+                  "--meshes", "1d4", "--no-local-check"])
+    result = json.loads(out.getvalue())
+    assert result["options"]["local_check"] is False
+    assert result["results"]["1d4"]["without"]["communicated_although_local_possible"] == []
+    assert "communicating where local" not in format_report(result)
+
+
 def test_the_communication_free_probe_survives_kernels_that_crash_on_mismatched_pieces():
     """segment_reduce trusts its offsets: DTensor gathers the sharded data and the run is correct, then the probe
     runs the kernel on a data shard with the whole offsets, which reads out of bounds and (in one process) used to
