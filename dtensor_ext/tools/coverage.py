@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opdb.add_argument("--no-local-check", action="store_true",
                       help="skip the 1-D check whether local compute was enough where DTensor communicated "
                       "(one forked process per such run; the report's last row stays empty)")
+    opdb.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                      help="report on --json results of runs over disjoint ops (a measurement split into processes)")
     opdb.add_argument("--verbose", action="store_true", help="list every failing op, and progress on stderr")
 
 

@@ -46,7 +46,7 @@ from dtensor_ext.testing.checker import _judge, _Sample, _valid_outputs
 from dtensor_ext.testing.layout import place
 from dtensor_ext.testing.mesh import active_mode, local_values, rank_coordinates, simulated_mesh
 
-__all__ = ["EXCLUDED", "MESHES", "OUTCOMES", "Options", "measure", "format_report"]
+__all__ = ["EXCLUDED", "MESHES", "OUTCOMES", "Options", "measure", "merge", "format_report"]
 
 # Ops not measured, and why: their output shape depends on the data, they draw random numbers, they return
 # uninitialized memory, or (as_strided) they address storage that a shard does not have. Globs over OpInfo names.
@@ -599,8 +599,95 @@ def format_report(result: dict[str, Any], verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
+def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from runs over disjoint sets of ops (a long measurement split into processes), as if one run had
+    measured them all; "seconds" is the sum of the runs' times. Runs of another torch, package version, sample or
+    sharding cap, or mesh set are refused: their counts do not add up."""
+    if not results:
+        raise ValueError("merge: no results given")
+    first = results[0]
+    same = ("max_samples", "max_shardings", "meshes", "timeout_s")
+    for i, r in enumerate(results[1:], 1):
+        for key in ("torch", "dtensor_ext"):
+            if r[key] != first[key]:
+                raise ValueError(f"merge: result {i} has {key} {r[key]!r}, result 0 has {first[key]!r}")
+        for key in same:
+            if r["options"][key] != first["options"][key]:
+                raise ValueError(f"merge: result {i} has options.{key} {r['options'][key]!r}, "
+                                 f"result 0 has {first['options'][key]!r}")
+    seen: dict[str, int] = {}
+    for i, r in enumerate(results):
+        measured = {label for by_status in r["results"][next(iter(r["results"]))]["with"]["ops"].values()
+                    for label in by_status}
+        for label in measured:
+            if label in seen:
+                raise ValueError(f"merge: op {label!r} is in result {seen[label]} and result {i}")
+            seen[label] = i
+
+    def counters(key):
+        total: Counter = Counter()
+        for r in results:
+            total.update(r[key])
+        return dict(total)
+
+    merged_results = {}
+    for mesh, by_mode in first["results"].items():
+        merged_results[mesh] = {}
+        for mode in by_mode:
+            parts = [r["results"][mesh][mode] for r in results]
+            runs: Counter = Counter()
+            for p in parts:
+                runs.update(p["runs"])
+            merged_results[mesh][mode] = {
+                "ops": {status: sorted(l for p in parts for l in p["ops"][status]) for status in parts[0]["ops"]},
+                "runs": dict(runs),
+                "communicated_although_local_possible": sorted(
+                    l for p in parts for l in p["communicated_although_local_possible"]),
+                "fallback_runs": sum(p["fallback_runs"] for p in parts),
+                "examples": {l: e for p in parts for l, e in p["examples"].items()},
+            }
+    families: dict[str, list[str]] = defaultdict(list)
+    for r in results:
+        for family, ops in r["fixed_by_family"].items():
+            families[family].extend(ops)
+    not_run = {m: Counter() for m in first["shardings_not_run"]}
+    for r in results:
+        for m, counts in r["shardings_not_run"].items():
+            not_run[m].update(counts)
+    return {
+        "torch": first["torch"],
+        "dtensor_ext": first["dtensor_ext"],
+        "options": {
+            **{key: first["options"][key] for key in same},
+            "ops": sorted({g for r in results for g in r["options"]["ops"]}),
+            "local_check": all(r["options"].get("local_check", True) for r in results),
+        },
+        "seconds": round(sum(r["seconds"] for r in results), 1),
+        "ops_measured": sum(r["ops_measured"] for r in results),
+        "samples_run": sum(r["samples_run"] for r in results),
+        "excluded": {label: why for r in results for label, why in r["excluded"].items()},
+        "skipped_samples": counters("skipped_samples"),
+        "shardings_not_run": {m: dict(c) for m, c in not_run.items()},
+        "results": merged_results,
+        "fixed_by_family": {f: sorted(ops) for f, ops in sorted(families.items())},
+        "broken_by_package": sorted(l for r in results for l in r["broken_by_package"]),
+    }
+
+
+def _exit_status(result: dict[str, Any]) -> int:
+    return 1 if any(by_mode["with"]["ops"]["wrong"] for by_mode in result["results"].values()) else 0
+
+
 def run(args) -> int:
     """The CLI entry (`coverage --opdb`); exit status 1 when any op gives a WRONG result with the package."""
+    if args.merge:
+        results = []
+        for path in args.merge:
+            with open(path) as f:
+                results.append(json.load(f))
+        result = merge(results)
+        print(json.dumps(result, indent=1) if args.json else format_report(result, verbose=args.verbose))
+        return _exit_status(result)
     options = Options(
         ops=args.ops, max_samples=args.max_samples, max_shardings=args.max_shardings, meshes=args.meshes,
         timeout_s=args.timeout, check_fallback=not args.no_local_check,
@@ -608,4 +695,4 @@ def run(args) -> int:
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
     result = measure(options, progress)
     print(json.dumps(result, indent=1) if args.json else format_report(result, verbose=args.verbose))
-    return 1 if any(by_mode["with"]["ops"]["wrong"] for by_mode in result["results"].values()) else 0
+    return _exit_status(result)

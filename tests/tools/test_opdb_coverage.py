@@ -17,7 +17,7 @@ from dtensor_ext import _compat
 from dtensor_ext.__main__ import main
 from dtensor_ext._compat import Partial, Replicate, Shard, TorchDispatchMode
 from dtensor_ext.tools.opdb_coverage import (
-    Options, _in_child_process, _place_exactly, excluded_reason, format_report, measure,
+    Options, _in_child_process, _place_exactly, excluded_reason, format_report, measure, merge,
 )
 
 ONE_D = ("1d4",)
@@ -232,3 +232,25 @@ def test_getitem_samples_excluded_are_exactly_the_boolean_masks():
         for mask in (index, ~index, torch.ones_like(index)):
             assert sample.input[mask].shape[0] == int(mask.sum())
     assert excluded > 0
+
+
+def test_merged_runs_count_as_one_run_over_all_their_ops():
+    def run(ops):
+        return measure(Options(ops=ops, max_samples=2, max_shardings=3, meshes=("1d4", "2x2")))
+
+    parts = [run(["abs"]), run(["nn.functional.pad.constant", "mv"])]
+    merged = merge(parts)
+    assert merged.pop("seconds") == round(sum(p["seconds"] for p in parts), 1)
+    whole = run(["abs", "nn.functional.pad.constant", "mv"])
+    whole.pop("seconds")
+    whole["options"]["ops"] = sorted(whole["options"]["ops"])
+    assert merged == {**whole, "options": {**whole["options"], "local_check": True}}
+
+
+def test_merge_refuses_overlapping_or_unlike_runs():
+    one = measure(Options(ops=["abs"], max_samples=1, max_shardings=1, meshes=ONE_D))
+    with pytest.raises(ValueError, match="op 'abs' is in result 0 and result 1"):
+        merge([one, one])
+    other = measure(Options(ops=["neg"], max_samples=2, max_shardings=1, meshes=ONE_D))
+    with pytest.raises(ValueError, match="options.max_samples 2"):
+        merge([one, other])
