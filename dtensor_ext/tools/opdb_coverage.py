@@ -601,12 +601,14 @@ def format_report(result: dict[str, Any], verbose: bool = False) -> str:
 
 def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One result from runs over disjoint sets of ops (a long measurement split into processes), as if one run had
-    measured them all; "seconds" is the sum of the runs' times. Runs of another torch, package version, sample or
-    sharding cap, or mesh set are refused: their counts do not add up."""
+    measured them all; "seconds" is the sum of the runs' times. Runs of another torch, package version, sharding
+    cap, or mesh set are refused: their counts do not add up. Sample caps may differ (an op with a huge sample grid
+    run with a lower cap): "max_samples" is the highest, and the samples a lower cap left out are counted under
+    "sample cap" in "skipped_samples"."""
     if not results:
         raise ValueError("merge: no results given")
     first = results[0]
-    same = ("max_samples", "max_shardings", "meshes", "timeout_s")
+    same = ("max_shardings", "meshes", "timeout_s")
     for i, r in enumerate(results[1:], 1):
         for key in ("torch", "dtensor_ext"):
             if r[key] != first[key]:
@@ -659,6 +661,7 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "dtensor_ext": first["dtensor_ext"],
         "options": {
             **{key: first["options"][key] for key in same},
+            "max_samples": max(r["options"]["max_samples"] for r in results),
             "ops": sorted({g for r in results for g in r["options"]["ops"]}),
             "local_check": all(r["options"].get("local_check", True) for r in results),
         },

@@ -251,6 +251,14 @@ def test_merge_refuses_overlapping_or_unlike_runs():
     one = measure(Options(ops=["abs"], max_samples=1, max_shardings=1, meshes=ONE_D))
     with pytest.raises(ValueError, match="op 'abs' is in result 0 and result 1"):
         merge([one, one])
-    other = measure(Options(ops=["neg"], max_samples=2, max_shardings=1, meshes=ONE_D))
-    with pytest.raises(ValueError, match="options.max_samples 2"):
+    other = measure(Options(ops=["neg"], max_samples=1, max_shardings=2, meshes=ONE_D))
+    with pytest.raises(ValueError, match="options.max_shardings 2"):
         merge([one, other])
+
+
+def test_merge_of_runs_with_different_sample_caps_counts_what_the_lower_cap_left_out():
+    capped = measure(Options(ops=["add"], max_samples=1, max_shardings=1, meshes=ONE_D))
+    assert capped["skipped_samples"]["sample cap"] > 0
+    merged = merge([capped, measure(Options(ops=["neg"], max_samples=1000, max_shardings=1, meshes=ONE_D))])
+    assert merged["options"]["max_samples"] == 1000
+    assert merged["skipped_samples"]["sample cap"] == capped["skipped_samples"]["sample cap"]
