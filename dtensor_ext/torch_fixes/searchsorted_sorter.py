@@ -1,0 +1,65 @@
+"""`torch.searchsorted(seq, values, sorter=...)` on DTensors: the keyword `sorter` is moved with the sequence.
+
+`sorter` is keyword-only, and DTensor's dispatch redistributes positional tensors only: where the strategy moves
+the sequence (rows sharded like the values, or gathered), the kernel still gets the sorter's unmoved pieces, and
+pairs the sequence's rows with other rows' sort orders (WRONG results, found by the thorough OpInfo run on 2x2:
+values sharded on two mesh dims, sorter sharded on one). The sorter permutes each row of the sequence, so it
+belongs exactly where the sequence goes; the handler moves it there after DTensor's own propagation and
+redistribution of the positional arguments. Calls without a DTensor sorter run DTensor's generic path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, Replicate, Shard
+from dtensor_ext.torch_fixes import applied_to, generic_dispatch, swap_handlers, torch_fix
+
+aten = torch.ops.aten
+
+
+def _searchsorted(op_call, args, kwargs):
+    sorter = kwargs.get("sorter")
+    if not isinstance(sorter, DTensor):
+        return generic_dispatch(op_call, args, kwargs)
+    op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    seq_target = schema.args_schema[0]
+    target = DTensorSpec(sorter.device_mesh, tuple(seq_target.placements), tensor_meta=sorter._spec.tensor_meta)
+    local_kwargs = dict(op_info.local_kwargs)
+    local_kwargs["sorter"] = _compat.dispatch_redistributor()(sorter._local_tensor, sorter._spec, target)
+    return _compat.wrap_local_results(op_call(*op_info.local_args, **local_kwargs), sharding.output_spec)
+
+
+@functools.cache
+def _sorter_left_behind() -> bool:
+    """Feature check, run as rank 0 of a 2-rank probe mesh (every move is a local chunk): the sequence and values
+    [2, 2] sharded on their rows, the sorter replicated. Where DTensor leaves the sorter whole, the kernel pairs one
+    row of the sequence with two of the sorter and fails; no strategy at all means nothing to fix."""
+    seq, values, sorter = torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 2.0]]), torch.tensor([[0, 1], [1, 0]])
+    with _compat.probing_dtensor_ops():
+        args = [_compat.probe_dtensor(t, (Shard(0),), (2, 2)) for t in (seq, values)]
+        whole_sorter = _compat.probe_dtensor(sorter, (Replicate(),), (2, 2))
+        try:
+            out = torch.searchsorted(*args, sorter=whole_sorter)
+        except NotImplementedError:
+            return False
+        except RuntimeError:
+            return True
+    return not torch.equal(out.to_local(), torch.searchsorted(seq, values, sorter=sorter[:1]))
+
+
+@torch_fix(
+    "searchsorted keyword sorter",
+    ops=("aten::searchsorted.Tensor",),
+    why="DTensor never moves keyword tensors: with the sequence moved, the kernel pairs its rows with the "
+    "unmoved sorter's (WRONG results or an error)",
+)
+def fix_searchsorted_sorter():
+    op = aten.searchsorted.Tensor
+    if _compat.custom_op_handler(op) is not None or not _sorter_left_behind():
+        return None
+    return applied_to([op], swap_handlers({op: _searchsorted}))
