@@ -205,6 +205,16 @@ def searchsorted_rule(op, args, kwargs):
     return rows
 
 
+@single_dim_rule("aten::searchsorted.Scalar", family=FAMILY, schema_info=RuntimeSchemaInfo(static_kwargkey=["side"]))
+def searchsorted_scalar_rule(op, args, kwargs):
+    """One value searched in a 1-D sorted sequence (torch takes a number only there): its position is a count of
+    smaller elements, and each shard of the sorted sequence counts its own."""
+    seq = args[0]
+    if kwargs.get("sorter") is None and _splits(seq.shape[0]):
+        return [[Partial("sum"), S(0)]]
+    return []
+
+
 def _index_layout(self, indices):
     """(indexed dims, broadcast index rank, where the index dims land in the result) as in advanced indexing."""
     indexed = [d for d, idx in enumerate(indices) if idx is not None]

@@ -1,4 +1,4 @@
-"""`torch.searchsorted(seq, values, sorter=...)` on DTensors: the keyword `sorter` is moved with the sequence.
+"""`torch.searchsorted(seq, values, sorter=...)` (values a tensor or one number) on DTensors: the keyword `sorter` is moved with the sequence.
 
 `sorter` is keyword-only, and DTensor's dispatch redistributes positional tensors only: where the strategy moves
 the sequence (rows sharded like the values, or gathered), the kernel still gets the sorter's unmoved pieces, and
@@ -54,12 +54,12 @@ def _sorter_left_behind() -> bool:
 
 @torch_fix(
     "searchsorted keyword sorter",
-    ops=("aten::searchsorted.Tensor",),
+    ops=("aten::searchsorted.Tensor", "aten::searchsorted.Scalar"),
     why="DTensor never moves keyword tensors: with the sequence moved, the kernel pairs its rows with the "
     "unmoved sorter's (WRONG results or an error)",
 )
 def fix_searchsorted_sorter():
-    op = aten.searchsorted.Tensor
-    if _compat.custom_op_handler(op) is not None or not _sorter_left_behind():
+    ops = [op for op in (aten.searchsorted.Tensor, aten.searchsorted.Scalar) if _compat.custom_op_handler(op) is None]
+    if not ops or not _sorter_left_behind():
         return None
-    return applied_to([op], swap_handlers({op: _searchsorted}))
+    return applied_to(ops, swap_handlers(dict.fromkeys(ops, _searchsorted)))

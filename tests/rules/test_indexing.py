@@ -136,6 +136,17 @@ def test_searchsorted(mesh_shape, batch, length, values, one_sequence, right, wi
           mesh_shape)
 
 
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=list(MESH_SHAPES))
+@given(length=dims(), right=st.booleans(), with_sorter=st.booleans())
+def test_searchsorted_of_one_value(mesh_shape, length, right, with_sorter):
+    unsorted = floats((length,), 0)
+    seq = unsorted if with_sorter else unsorted.sort(-1).values
+    kwargs = {"right": right}
+    if with_sorter:
+        kwargs["sorter"] = unsorted.argsort(-1)
+    prove(aten.searchsorted.Scalar, indexing.searchsorted_scalar_rule, [seq, 0.25], kwargs, mesh_shape)
+
+
 @st.composite
 def masked_index_operands(draw, even_multiple=1):
     """self, mask and an indices list (None on dims not indexed) whose tensors broadcast together; the mask

@@ -64,3 +64,16 @@ def test_torch_alone_pairs_rows_with_the_wrong_sorter_where_the_check_finds_it(f
             assert wrong
         else:
             assert agrees(_positions(mesh, seq, values, sorter, layouts), expected)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=str)
+def test_one_value_with_a_sorter_in_every_layout(mesh_shape):
+    torch.manual_seed(0)
+    seq = torch.randn(7)
+    sorter = seq.argsort()
+    with simulated_mesh(mesh_shape) as mesh:
+        for seq_layout in itertools.product([Replicate(), Shard(0), Partial()], repeat=len(mesh_shape)):
+            for sorter_layout in itertools.product([Replicate(), Shard(0)], repeat=len(mesh_shape)):
+                got = torch.searchsorted(place_dtensor(seq, mesh, list(seq_layout)), 0.25,
+                                         sorter=place_dtensor(sorter, mesh, list(sorter_layout)))
+                assert agrees(got, torch.searchsorted(seq, 0.25, sorter=sorter)), (seq_layout, sorter_layout)
