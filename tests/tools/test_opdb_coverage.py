@@ -262,3 +262,17 @@ def test_merge_of_runs_with_different_sample_caps_counts_what_the_lower_cap_left
     merged = merge([capped, measure(Options(ops=["neg"], max_samples=1000, max_shardings=1, meshes=ONE_D))])
     assert merged["options"]["max_samples"] == 1000
     assert merged["skipped_samples"]["sample cap"] == capped["skipped_samples"]["sample cap"]
+
+
+def test_samples_drawing_random_numbers_are_skipped_even_when_two_draws_agree():
+    """multi_head_attention_forward with training=True runs dropout: a sample whose two single-device draws happen
+    to agree must not be judged (the sharded run draws again)."""
+    from collections import Counter
+
+    from dtensor_ext.tools.opdb_coverage import _cases, _selected_opinfos
+
+    (info,), _ = _selected_opinfos(Options(ops=["nn.functional.multi_head_attention_forward"]))
+    skipped = Counter()
+    kept = _cases(info, Options(max_samples=1000), skipped)
+    assert skipped["draws random numbers"] > 0
+    assert not any("bernoulli" in name for case in kept for name in case.dispatched)
