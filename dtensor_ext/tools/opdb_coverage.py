@@ -223,6 +223,9 @@ def _cases(info, options: Options, skipped: Counter) -> list[_Case]:
             skipped["sample cap"] += 1 + sum(1 for _ in samples)
             break
         flat, spec = pytree.tree_flatten(((sample.input, tuple(sample.args)), dict(sample.kwargs)))
+        # our own copies: some OpInfo generators edit a tensor they already yielded to make the next sample (the
+        # masked reductions write NaN into masked-out positions), which left the stored input unlike the result
+        flat = [x.clone() if isinstance(x, torch.Tensor) else x for x in flat]
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         if not positions:
             skipped["no tensor input"] += 1

@@ -276,3 +276,16 @@ def test_samples_drawing_random_numbers_are_skipped_even_when_two_draws_agree():
     kept = _cases(info, Options(max_samples=1000), skipped)
     assert skipped["draws random numbers"] > 0
     assert not any("bernoulli" in name for case in kept for name in case.dispatched)
+
+
+def test_a_sample_keeps_its_values_when_the_generator_edits_them_for_the_next_one():
+    """masked.sum's sample generator writes NaN into a tensor it already yielded; the stored case must still hold
+    the values its single-device result was computed from."""
+    from collections import Counter
+
+    from dtensor_ext.tools.opdb_coverage import _cases, _selected_opinfos
+
+    (info,), _ = _selected_opinfos(Options(ops=["masked.sum"]))
+    for case in _cases(info, Options(max_samples=1000), Counter()):
+        again = case.call([t.clone() for t in case.tensors])
+        torch.testing.assert_close(again, case.expected, equal_nan=True, msg=f"sample {case.index}")
