@@ -51,7 +51,7 @@ def _dim(dim: int, ndim: int) -> int:
     return dim % max(ndim, 1)
 
 
-@single_dim_rule("aten::index_add", family=FAMILY, schema_info=RuntimeSchemaInfo(2))
+@single_dim_rule("aten::index_add", family=FAMILY, schema_info=RuntimeSchemaInfo(1))
 def index_add_rule(op, args, kwargs):
     """out = self; out.select(dim, index[i]) += alpha * source.select(dim, i)."""
     self, dim, index, source = args[:4]
@@ -67,7 +67,7 @@ def index_add_rule(op, args, kwargs):
     return rows
 
 
-@single_dim_rule("aten::index_copy", family=FAMILY, schema_info=RuntimeSchemaInfo(2))
+@single_dim_rule("aten::index_copy", family=FAMILY, schema_info=RuntimeSchemaInfo(1))
 def index_copy_rule(op, args, kwargs):
     """out = self; out.select(dim, index[i]) = source.select(dim, i): a selection."""
     self, dim, index, source = args[:4]
@@ -137,7 +137,7 @@ def scatter_rows(self, dim, index, src, reduce, include_self):
 
 
 @single_dim_rule(
-    "aten::scatter_reduce.two", family=FAMILY, schema_info=RuntimeSchemaInfo(2, static_kwargkey=["include_self"])
+    "aten::scatter_reduce.two", family=FAMILY, schema_info=RuntimeSchemaInfo(1, static_kwargkey=["include_self"])
 )
 def scatter_reduce_rule(op, args, kwargs):
     self, dim, index, src, reduce = args[:5]
@@ -145,7 +145,7 @@ def scatter_reduce_rule(op, args, kwargs):
     return scatter_rows(self, dim, index, src, reduce, include_self)
 
 
-@single_dim_rule("aten::scatter.reduce", family=FAMILY, schema_info=RuntimeSchemaInfo(2, static_kwargkey=["reduce"]))
+@single_dim_rule("aten::scatter.reduce", family=FAMILY, schema_info=RuntimeSchemaInfo(1, static_kwargkey=["reduce"]))
 def scatter_legacy_reduce_rule(op, args, kwargs):
     """The legacy reduce="add"/"multiply" spelling: scatter_reduce with include_self."""
     self, dim, index, src = args[:4]

@@ -266,3 +266,27 @@ def test_indexing_ops_run_on_sharded_dtensors_like_on_one_device():
         assert bags.placements == (Shard(1), Replicate())
         torch.testing.assert_close(bags.full_tensor(),
                                    torch.nn.functional.embedding_bag(bag_items, table, bag_offsets, mode="mean"))
+
+
+def test_rules_reading_dim_are_not_reused_across_dims_from_the_propagation_cache():
+    """index_add, index_copy, scatter_reduce and scatter(reduce=) pick rows by `dim` (args[1]); DTensor's cache
+    hashes non-tensor args only from the schema's static_argnum on, so the rule must declare 1, or a strategy
+    cached for dim=0 is reused for dim=1 on same-shaped inputs (found by the thorough OpInfo run: scatter WRONG)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    self, source = floats((4, 4), 0), floats((4, 4), 1)
+    index = torch.tensor([3, 0, 2, 1])
+    scatter_index = torch.tensor([[1, 0, 3, 2]] * 4)
+    calls = {
+        "index_add": lambda s, d, i, src: torch.index_add(s, d, i, src),
+        "index_copy": lambda s, d, i, src: torch.index_copy(s, d, i, src),
+        "scatter_reduce": lambda s, d, i, src: torch.scatter_reduce(s, d, i, src, "sum"),
+        "scatter reduce=": lambda s, d, i, src: torch.scatter(s, d, i, src, reduce="add"),
+    }
+    with simulated_mesh((4,)) as mesh:
+        for name, call in calls.items():
+            idx = index if name.startswith("index") else scatter_index
+            for dim in (0, 1):
+                got = call(distribute_tensor(self, mesh, [Shard(1)]), dim, distribute_tensor(idx, mesh, [Replicate()]),
+                           distribute_tensor(source, mesh, [Shard(1)]))
+                torch.testing.assert_close(got.full_tensor(), call(self, dim, idx, source), msg=f"{name} dim={dim}")
