@@ -28,6 +28,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext.torch_fixes.empty_views import empty_aware
+from dtensor_ext.torch_fixes.uneven_views import copying_nested_uneven
 from dtensor_ext.torch_fixes import restorer, undo_all
 
 __all__ = ["view_copies"]
@@ -53,8 +54,10 @@ def view_copies() -> Iterator[None]:
         undos.append(restorer(op))
         schema_info = _compat.snapshot_registration(op).get("op_to_schema_info")
         _compat.register_view_strategy(op, torch_function, schema_info=schema_info)
+        strategy = copying_nested_uneven(_compat.op_strategy_func(op))
         if torch_function is torch.Tensor.view:  # torch's view dim mapping hangs on some views of empty tensors
-            _compat.register_op_strategy(op, empty_aware(_compat.op_strategy_func(op)), schema_info=schema_info)
+            strategy = empty_aware(strategy)
+        _compat.register_op_strategy(op, strategy, schema_info=schema_info)
     _compat.clear_sharding_caches()
     try:
         yield

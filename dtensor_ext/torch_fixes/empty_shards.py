@@ -30,7 +30,9 @@ import torch
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
 from dtensor_ext.torch_fixes import Undo, applied_to, swap_handlers, torch_fix, undo_all
-from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy, wrap_strategies
+from dtensor_ext.torch_fixes.strategy_swap import (
+    filtered_single_dim, first_input_spec, single_dim_as_op_strategy, strategy_for_moved_input, wrap_strategies,
+)
 
 aten = torch.ops.aten
 
@@ -196,12 +198,8 @@ def starves_a_rank(spec: DTensorSpec, dims: tuple[int, ...]) -> bool:
     return any(local[d] == 0 for local in _compat.local_shapes(shape, spec.mesh.shape, spec.placements) for d in dims)
 
 
-def _first_input_spec(spec: OpSpec) -> DTensorSpec:
-    return spec.input_specs[0] if spec.input_specs else spec.output_spec
-
-
 def _runnable(offered: OpStrategy, dims: tuple[int, ...]) -> OpStrategy:
-    return OpStrategy([s for s in offered.strategies if not starves_a_rank(_first_input_spec(s), dims)])
+    return OpStrategy([s for s in offered.strategies if not starves_a_rank(first_input_spec(s), dims)])
 
 
 def feeds_every_rank(guarded_dims: GuardedDims) -> Callable[[OpSchema], Callable[[OpSpec], bool]]:
@@ -209,7 +207,7 @@ def feeds_every_rank(guarded_dims: GuardedDims) -> Callable[[OpSchema], Callable
 
     def keeps(op_schema: OpSchema) -> Callable[[OpSpec], bool]:
         dims = guarded_dims(op_schema)
-        return lambda spec: not starves_a_rank(_first_input_spec(spec), dims)
+        return lambda spec: not starves_a_rank(first_input_spec(spec), dims)
 
     return keeps
 
@@ -240,16 +238,8 @@ def runnable_op_strategy(torch_strategy: Callable, guarded_dims: GuardedDims) ->
             return offered
         if runnable.strategies:
             return runnable
-        source = op_schema.args_schema[0]
-        target = _unstarved(source.strategies[0].output_spec, dims)
-        moved_schema = OpSchema(op_schema.op, (OpStrategy([OpSpec(target)]), *op_schema.args_schema[1:]),
-                                op_schema.kwargs_schema, schema_info=op_schema.schema_info)
-        moved = []
-        for spec in _runnable(torch_strategy(moved_schema), dims).strategies:
-            first = _first_input_spec(spec)
-            cost = [_compat.redistribute_cost(s.output_spec, first) for s in source.strategies]
-            moved.append(OpSpec(spec.output_specs, spec.input_specs, [cost, *spec.redistribute_cost[1:]]))
-        return OpStrategy(moved)
+        target = _unstarved(op_schema.args_schema[0].strategies[0].output_spec, dims)
+        return _runnable(strategy_for_moved_input(torch_strategy, op_schema, target), dims)
 
     return strategy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import OpOverload, OpSchema, OpSpec, OpStrategy, pytree
+from dtensor_ext._compat import DTensorSpec, OpOverload, OpSchema, OpSpec, OpStrategy, pytree
 from dtensor_ext.torch_fixes import Undo, restorer, undo_all
 
 
@@ -101,3 +101,22 @@ def filtered_single_dim(info: object, keeps: Callable[[OpSchema], Callable[[OpSp
         ])
 
     return strategy
+
+
+def first_input_spec(spec: OpSpec) -> DTensorSpec:
+    return spec.input_specs[0] if spec.input_specs else spec.output_spec
+
+
+def strategy_for_moved_input(torch_strategy: Callable, op_schema: OpSchema, target: DTensorSpec) -> OpStrategy:
+    """`torch_strategy` asked as if the first input were laid out as `target`, each layout it offers priced as the
+    move from where that input really is."""
+    source = op_schema.args_schema[0]
+    moved_schema = OpSchema(op_schema.op, (OpStrategy([OpSpec(target)]), *op_schema.args_schema[1:]),
+                            op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+    return OpStrategy([
+        OpSpec(spec.output_specs, spec.input_specs, [
+            [_compat.redistribute_cost(s.output_spec, first_input_spec(spec)) for s in source.strategies],
+            *spec.redistribute_cost[1:],
+        ])
+        for spec in torch_strategy(moved_schema).strategies
+    ])

@@ -5,17 +5,26 @@ to a 3-D input) would hold 2s and s rows, while `Shard(0)` of `b * s` rows means
 the first ranks. No placement (and no `_StridedShard`) describes those shards, so no answer both exact and aliasing
 exists, and torch's strict view strategy is right to refuse. Its error says to redistribute; the two fixes a user
 really has are the package's `view_copies()` (the view becomes a redistributed copy) and a batch the mesh dim
-divides. This wrapper re-raises torch's refusal of such a view with both, naming the dim and the sizes; every view
-torch accepts, and every other refusal, goes through unchanged.
+divides. This wrapper re-raises torch's refusal of such a view with both, naming the dim and the sizes; every
+other refusal goes through unchanged.
+
+torch checks evenness on global sizes only, so it accepts a view of a dim sharded on two mesh dims whose inner
+split is uneven (size 2 over a 2x2 mesh: shards of 1, 0, 1, 0 rows): the view it promises holds other element
+counts than the shards it views, and the local kernel fails with a bare "shape is invalid". The wrapper compares
+each rank's element counts before and after (`unaliased_layout`) and refuses such a view the same way;
+`view_copies()` asks torch again with the dim sharded once, which it then handles by copying.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from dtensor_ext._compat import OpSchema, Shard
+from dtensor_ext import _compat
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpStrategy, Replicate, Shard
 from dtensor_ext.torch_fixes import torch_fix
-from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
+from dtensor_ext.torch_fixes.strategy_swap import strategy_for_moved_input, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -39,12 +48,67 @@ def _uneven_dims(op_schema: OpSchema) -> list[tuple[int, int, int, int]]:
     return found
 
 
+def _local_numels(shape, spec: DTensorSpec) -> list[int]:
+    return [math.prod(s) for s in _compat.local_shapes(shape, spec.mesh.shape, spec.placements)]
+
+
+def unaliased_layout(op_schema: OpSchema, offered: OpStrategy) -> str | None:
+    """Where a layout `offered` for the view would give some rank other element counts than the input shard it
+    views: which input dim is split how (else None). Symbolic sizes are not checked."""
+    shape = tuple(op_schema.args_schema[0].shape)
+    if not all(isinstance(s, int) for s in shape):
+        return None
+    target = tuple(op_schema.op(torch.empty(shape, device="meta"), *op_schema.args_schema[1:]).shape)
+    for spec in offered.strategies:
+        source = spec.input_specs[0] if spec.input_specs else op_schema.args_schema[0].strategies[0].output_spec
+        before, after = _local_numels(shape, source), _local_numels(target, spec.output_spec)
+        if before != after:
+            twice = sorted({p.dim for p in source.placements if isinstance(p, Shard)
+                            and sum(isinstance(q, Shard) and q.dim == p.dim for q in source.placements) > 1})
+            sizes = sorted({s[d] for s in _compat.local_shapes(shape, source.mesh.shape, source.placements)
+                            for d in twice})
+            return (f"input dims {twice} are sharded on more than one mesh dim ({source.placements} over mesh "
+                    f"{tuple(source.mesh.shape)}), into shards of sizes {sizes}; the ranks would view "
+                    f"{before} elements as {after}")
+    return None
+
+
+def _sharded_once(spec: DTensorSpec) -> DTensorSpec:
+    """`spec` with every tensor dim sharded by its outermost mesh dim only."""
+    seen, placements = set(), []
+    for p in spec.placements:
+        twice = isinstance(p, Shard) and p.dim in seen
+        placements.append(Replicate() if twice else p)
+        seen |= {p.dim} if isinstance(p, Shard) else set()
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
+def copying_nested_uneven(view_strategy):
+    """A non-strict view strategy (`view_copies()`) for inputs whose dims are split unevenly twice over: asked
+    again with each dim sharded once, which it then copies where it must."""
+
+    def strategy(op_schema: OpSchema):
+        offered = view_strategy(op_schema)
+        if unaliased_layout(op_schema, offered) is None:
+            return offered
+        target = _sharded_once(op_schema.args_schema[0].strategies[0].output_spec)
+        offered = strategy_for_moved_input(view_strategy, op_schema, target)
+        wrong = unaliased_layout(op_schema, offered)
+        if wrong is not None:
+            raise UnevenViewError(f"{op_schema.op}: no copying layout found: {wrong}")
+        return offered
+
+    strategy.__wrapped__ = view_strategy
+    return strategy
+
+
 def explaining_uneven(torch_strategy):
-    """torch's strict view strategy; a refusal with an unevenly sharded input says what to do about it."""
+    """torch's strict view strategy; a refusal with an unevenly sharded input says what to do about it, and so
+    does a view torch accepts whose shards would not hold what they view."""
 
     def strategy(op_schema: OpSchema):
         try:
-            return torch_strategy(op_schema)
+            offered = torch_strategy(op_schema)
         except RuntimeError as e:
             uneven = _uneven_dims(op_schema)
             if not uneven:
@@ -59,6 +123,15 @@ def explaining_uneven(torch_strategy):
                 f"redistributed copy that does not share storage with its input), or make dim {dim} a multiple of "
                 f"{ways} (e.g. pad the batch from {size} to {padded}). torch: {e}"
             ) from e
+        wrong = unaliased_layout(op_schema, offered)
+        if wrong is not None:
+            raise UnevenViewError(
+                f"{op_schema.op}: view of a tensor of shape {list(op_schema.args_schema[0].shape)} to "
+                f"{list(op_schema.args_schema[1])}: {wrong}, and no placement describes the viewed shards as an alias "
+                f"of the input's. Either run this code inside `dtensor_ext.view_copies.view_copies()` (the view becomes "
+                f"a redistributed copy that does not share storage with its input), or shard the dim on one mesh dim."
+            )
+        return offered
 
     strategy.__wrapped__ = torch_strategy
     return strategy

@@ -94,6 +94,13 @@ def test_views_of_tensors_with_elements_are_left_to_torch(mesh_shape):
         dtensor_ext.install(fix_torch=False)
         torch_outcomes = outcomes()
         dtensor_ext.install()
-        assert outcomes() == torch_outcomes
+        fixed_outcomes = outcomes()
     finally:
         dtensor_ext.install()
+    # where torch promised shards that hold other element counts than they view (a dim sharded twice over) its
+    # kernel failed; the uneven-views fix refuses those by name instead
+    kernel_failures = [i for i, o in enumerate(torch_outcomes) if isinstance(o, str) and "is invalid for input" in o]
+    assert all("sharded on more than one mesh dim" in fixed_outcomes[i] for i in kernel_failures)
+    assert len(kernel_failures) == (2 if mesh_shape == (2, 2) else 0)
+    assert [o for i, o in enumerate(fixed_outcomes) if i not in kernel_failures] == [
+        o for i, o in enumerate(torch_outcomes) if i not in kernel_failures]

@@ -87,3 +87,38 @@ def test_views_without_an_uneven_flattening_are_torch_own(fix_state, ranks, shap
             assert all(torch.equal(v, x.view(view)) for v in local_values(got.full_tensor()).values())
             outcome = ("ok", got.placements)
     assert outcome == expected
+
+
+# a dim sharded on two mesh dims, even over the first and uneven at the inner split (global sizes pass torch's check)
+NESTED = [
+    ((2, 1, 2, 3), [Shard(2), Shard(2)], (2, 1, -1), "[6, 0, 6, 0] elements as [4, 2, 4, 2]"),
+    ((6, 3), [Shard(0), Shard(0)], (-1,), "[6, 3, 6, 3] elements as [5, 4, 5, 4]"),
+    ((6, 3), [Shard(0), Shard(0)], (2, 9), "[6, 3, 6, 3] elements as [9, 0, 9, 0]"),
+]
+
+
+@pytest.mark.parametrize("shape, placements, view, counts", NESTED, ids=["flatten-empty", "flatten", "split"])
+def test_a_dim_split_unevenly_twice_over_is_refused_by_name_and_copied_inside(fix_state, shape, placements, view,
+                                                                               counts):
+    x = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    with simulated_mesh((2, 2)) as mesh:
+        x_d = place_dtensor(x, mesh, placements)
+        with pytest.raises(RuntimeError) as refused:
+            x_d.view(view)
+        if fix_state == "fixed":
+            told = str(refused.value)
+            assert "sharded on more than one mesh dim" in told and counts in told and "view_copies()" in told, told
+        with view_copies():
+            got = x_d.view(view)
+        assert all(torch.equal(v, x.view(view)) for v in local_values(got.full_tensor()).values())
+
+
+def test_a_dim_split_evenly_twice_over_is_viewed_in_place(fix_state):
+    x = torch.arange(24.0).reshape(8, 3)
+    with simulated_mesh((2, 2)) as mesh:
+        x_d = place_dtensor(x, mesh, [Shard(0), Shard(0)])
+        got = x_d.view(-1)
+        assert got.placements == (Shard(0), Shard(0))
+        assert all(torch.equal(v, x.view(-1)) for v in local_values(got.full_tensor()).values())
+        assert all(a.data_ptr() == b.data_ptr() for a, b in zip(local_values(x_d.to_local()).values(),
+                                                                 local_values(got.to_local()).values()))
