@@ -1,0 +1,95 @@
+"""Batched solves (`linalg.solve_triangular`, `linalg.lu_solve`, `linalg.ldl_solve`) sharded on a batch dim: each
+operand is sharded where it has that dim, and kept whole only where it broadcasts.
+
+torch's single-dim rules shard the output and every operand on the same dim index, and solve_triangular's also
+offers "A replicated, B sharded on a batch dim" for any shapes. Both ignore broadcasting. With A and B of the
+same batch, A whole against B's shard makes the local kernel broadcast A's full batch against B's piece (an
+error, or on a 2x2 mesh an output whose shards hold the whole batch while claiming `Shard`: an invalid DTensor,
+found by the thorough OpInfo run). Where B has fewer batch dims than the factorization (`ldl_solve` of LD
+`[2, 5, 5]` with B `[5, 5]`), the shared index shards B's matrix rows instead. The fix keeps torch's rows without
+a shard (the Partial rows: the solution is linear in B) and states the batch rows by broadcasting: for each batch
+dim of the output, an operand that has the dim with more than one entry is sharded on it, one that lacks it or
+has size 1 stays whole.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import Replicate, ShardingPlaceholder
+from dtensor_ext.torch_fixes import applied_to, torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules
+
+aten = torch.ops.aten
+
+# op -> the number of trailing (non-batch) dims of each tensor operand, in schema order; outputs have 2
+CORE_DIMS = {
+    aten.linalg_solve_triangular.default: (2, 2),  # A, B
+    aten.linalg_lu_solve.default: (2, 1, 2),  # LU, pivots, B
+    aten.linalg_ldl_solve.default: (2, 1, 2),  # LD, pivots, B
+}
+
+
+def batch_rows(operands: list[tuple[torch.Size, int]]) -> list[list]:
+    """[out, *operands] for each batch dim of the output that some operand really has (size above 1), given each
+    operand's (shape, trailing non-batch dims); batch dims align from the right, as broadcasting does."""
+    batch_ndims = [len(shape) - core for shape, core in operands]
+    out_batch = max(batch_ndims)
+    rows = []
+    for out_dim in range(out_batch):
+        row = [ShardingPlaceholder(out_dim)]
+        for (shape, _), ndim in zip(operands, batch_ndims):
+            own_dim = out_dim - (out_batch - ndim)
+            row.append(ShardingPlaceholder(own_dim) if own_dim >= 0 and shape[own_dim] != 1 else Replicate())
+        if any(not isinstance(p, Replicate) for p in row[1:]):
+            rows.append(row)
+    return rows
+
+
+def _has_shard(row) -> bool:
+    return any(isinstance(p, ShardingPlaceholder) for p in row)
+
+
+def _broadcasting_batch_rows(torch_rule):
+    def rule(op, args_meta, kwargs_meta):
+        unsharded = [row for row in torch_rule(op, args_meta, kwargs_meta) if not _has_shard(row)]
+        operands = [(meta.shape, core) for meta, core in zip(args_meta, CORE_DIMS[op])]
+        return unsharded + batch_rows(operands)
+
+    return rule
+
+
+def _probe_operands(op) -> tuple:
+    """A factorization with a batch of 2 and a B with none (it broadcasts), as tensor metas."""
+    matrices, vectors, rhs = torch.zeros(2, 3, 3), torch.zeros(2, 3, dtype=torch.int32), torch.zeros(3, 1)
+    tensors = (matrices, rhs) if CORE_DIMS[op] == (2, 2) else (matrices, vectors, rhs)
+    return tuple(_compat.tensor_meta(t) for t in tensors)
+
+
+@functools.cache
+def _offers_rows_broadcasting_forbids(op) -> bool:
+    """Feature check on torch's rule itself: on the probe operands, does it offer a batch row that broadcasting
+    does not allow (a shard on a dim the operand lacks, or one operand whole against another's shard)?"""
+    torch_rule = _compat.single_dim_func(op)
+    if torch_rule is None:
+        return False
+    metas = _probe_operands(op)
+    allowed = {str(row) for row in batch_rows([(m.shape, c) for m, c in zip(metas, CORE_DIMS[op])])}
+    return any(_has_shard(row) and str(row) not in allowed for row in torch_rule(op, metas, {}))
+
+
+@torch_fix(
+    "batched solves broadcasting",
+    ops=tuple(_compat.torch_op_names(op)[0] for op in CORE_DIMS),
+    why="torch's rules shard every operand on one dim index: B's batch against a whole A of the same batch (the "
+    "kernel broadcasts: an error, or an invalid DTensor on 2x2), or a B without batch dims on its matrix rows",
+)
+def fix_batched_solves():
+    faulty = [op for op in CORE_DIMS
+              if _compat.torch_strategy_kind(op) == "single_dim" and _offers_rows_broadcasting_forbids(op)]
+    if not faulty:
+        return None
+    return applied_to(faulty, wrap_single_dim_rules(faulty, _broadcasting_batch_rows))
