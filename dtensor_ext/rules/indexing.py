@@ -153,6 +153,23 @@ def scatter_legacy_reduce_rule(op, args, kwargs):
     return scatter_rows(self, dim, index, src, reduce, include_self=True)
 
 
+@single_dim_rule(
+    "aten::scatter.value_reduce", family=FAMILY, schema_info=RuntimeSchemaInfo(1, static_kwargkey=["reduce"])
+)
+def scatter_value_reduce_rule(op, args, kwargs):
+    """One number scattered with reduce="add" (self plus value per hit: affine in self, and index split along dim
+    adds each rank's hits to its part of a Partial(sum) self) or "multiply" (self times value per hit: linear)."""
+    self, dim, index = args[:3]
+    dim = _dim(dim, len(self.shape))
+    adds = kwargs["reduce"] == "add"
+    rows = [[S(d), S(d), S(d)] for d in range(len(self.shape)) if d != dim and self.shape[d] == index.shape[d]]
+    kinds = ("avg", "max", "min") if adds else ("sum", "avg")
+    rows += [[Partial(k), Partial(k), R()] for k in _partial_kinds(self, kinds)]
+    if adds and len(self.shape) and _splits(index.shape[dim]):
+        rows.append([Partial("sum"), Partial("sum"), S(dim)])
+    return rows
+
+
 @single_dim_rule("aten::masked_scatter", family=FAMILY)
 def masked_scatter_rule(op, args, kwargs):
     """Source elements are consumed in row-major order of the mask, so only Partial values pass through."""

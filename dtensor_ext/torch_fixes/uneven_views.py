@@ -127,9 +127,10 @@ def explaining_uneven(torch_strategy):
         if wrong is not None:
             raise UnevenViewError(
                 f"{op_schema.op}: view of a tensor of shape {list(op_schema.args_schema[0].shape)} to "
-                f"{list(op_schema.args_schema[1])}: {wrong}, and no placement describes the viewed shards as an alias "
-                f"of the input's. Either run this code inside `dtensor_ext.view_copies.view_copies()` (the view becomes "
-                f"a redistributed copy that does not share storage with its input), or shard the dim on one mesh dim."
+                f"{list(op_schema.args_schema[1])}: {wrong}, and no placement describes the viewed shards as an "
+                f"alias of the input's. Either run this code inside `dtensor_ext.view_copies.view_copies()` (the view "
+                f"becomes a redistributed copy that does not share storage with its input), or shard the dim on one "
+                f"mesh dim."
             )
         return offered
 

@@ -94,6 +94,15 @@ def test_scatter_legacy_reduce(mesh_shape, operands, reduce):
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=list(MESH_SHAPES))
+@given(operands=scatter_operands(), reduce=st.sampled_from(["add", "multiply"]),
+       value=st.sampled_from([-1.5, 0.5, 3.0]))
+def test_scatter_value_reduce(mesh_shape, operands, reduce, value):
+    self, dim, index, _ = operands
+    prove(aten.scatter.value_reduce, indexing.scatter_value_reduce_rule, [self, dim, index, value], {"reduce": reduce},
+          mesh_shape)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=list(MESH_SHAPES))
 @given(shape=st.lists(dims(min_size=0), min_size=1, max_size=3), extra=st.integers(0, 3))
 def test_masked_scatter(mesh_shape, shape, extra):
     mask = indices(2, tuple(shape), 1).bool()
