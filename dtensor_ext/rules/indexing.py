@@ -201,7 +201,9 @@ def put_rule(op, args, kwargs):
     return rows
 
 
-@single_dim_rule("aten::searchsorted.Tensor", family=FAMILY, schema_info=RuntimeSchemaInfo(static_kwargkey=["side"]))
+@single_dim_rule(
+    "aten::searchsorted.Tensor", family=FAMILY, schema_info=RuntimeSchemaInfo(static_kwargkey=["side", "sorter"])
+)
 def searchsorted_rule(op, args, kwargs):
     """Each value is searched in its own row of the sorted sequence (or in the one 1-D sequence)."""
     seq, values = args[:2]
@@ -222,7 +224,9 @@ def searchsorted_rule(op, args, kwargs):
     return rows
 
 
-@single_dim_rule("aten::searchsorted.Scalar", family=FAMILY, schema_info=RuntimeSchemaInfo(static_kwargkey=["side"]))
+@single_dim_rule(
+    "aten::searchsorted.Scalar", family=FAMILY, schema_info=RuntimeSchemaInfo(static_kwargkey=["side", "sorter"])
+)
 def searchsorted_scalar_rule(op, args, kwargs):
     """One value searched in a 1-D sorted sequence (torch takes a number only there): its position is a count of
     smaller elements, and each shard of the sorted sequence counts its own."""

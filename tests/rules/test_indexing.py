@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dtensor_ext.rules import indexing
-from dtensor_ext.testing import MESH_SHAPES, check_rule, simulated_mesh
+from dtensor_ext.testing import MESH_SHAPES, check_rule, place_dtensor, simulated_mesh
 from dtensor_ext.testing.strategies import dims
 
 aten = torch.ops.aten
@@ -299,3 +299,23 @@ def test_rules_reading_dim_are_not_reused_across_dims_from_the_propagation_cache
                 got = call(distribute_tensor(self, mesh, [Shard(1)]), dim, distribute_tensor(idx, mesh, [Replicate()]),
                            distribute_tensor(source, mesh, [Shard(1)]))
                 torch.testing.assert_close(got.full_tensor(), call(self, dim, idx, source), msg=f"{name} dim={dim}")
+
+
+def test_searchsorted_with_a_sorter_is_not_served_a_strategy_cached_without_one():
+    """The rows depend on whether a sorter is given (a sequence sharded along its length counts its own smaller
+    elements only without one); the sorter is a keyword, which DTensor's cache hashes only when the rule lists it
+    in static_kwargkey. Found by the thorough OpInfo run: "sorter index out of range" after a sorter-less call."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    unsorted = floats((10,), 0)
+    sorter, value = unsorted.argsort(), torch.tensor(-0.25, dtype=torch.float64)
+    with simulated_mesh((4,)) as mesh:
+        whole_value = place_dtensor(value, mesh, [Replicate()])
+        plain = torch.searchsorted(place_dtensor(unsorted.sort().values, mesh, [Shard(0)]), whole_value)
+        assert plain.placements == (Partial(),)  # the row a sorter must not get
+        got = torch.searchsorted(place_dtensor(unsorted, mesh, [Shard(0)]), whole_value,
+                                 sorter=place_dtensor(sorter, mesh, [Replicate()]))
+        torch.testing.assert_close(got.full_tensor(), torch.searchsorted(unsorted, value, sorter=sorter))
+        scalar = torch.searchsorted(place_dtensor(unsorted, mesh, [Shard(0)]), -0.25,
+                                    sorter=place_dtensor(sorter, mesh, [Replicate()]))
+        torch.testing.assert_close(scalar.full_tensor(), torch.searchsorted(unsorted, -0.25, sorter=sorter))
