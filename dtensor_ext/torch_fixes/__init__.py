@@ -17,8 +17,8 @@ from dtensor_ext import _compat
 from dtensor_ext._compat import OpOverload
 
 __all__ = [
-    "TorchFix", "torch_fix", "declared_fixes", "generic_dispatch", "replace_rule", "restorer", "undo_all",
-    "swap_handlers", "applied_to", "applied_ops",
+    "TorchFix", "torch_fix", "declared_fixes", "generic_dispatch", "dispatch_moving_keywords", "replace_rule",
+    "restorer", "undo_all", "swap_handlers", "applied_to", "applied_ops",
 ]
 
 Undo = Callable[[], None]
@@ -125,3 +125,18 @@ def generic_dispatch(op_call: OpOverload, args: tuple, kwargs: dict, *, local_re
     if local_results is not None:
         local = local_results(local, sharding.output_spec)
     return _compat.wrap_local_results(local, sharding.output_spec)
+
+
+def dispatch_moving_keywords(op_call: OpOverload, args: tuple, kwargs: dict, placements_for: Callable):
+    """DTensor's generic path plus the step it leaves out: DTensor redistributes positional tensors only, so each
+    DTensor keyword argument is moved here to `placements_for(name, tensor, schema)` (`schema`: the positional
+    inputs as the kernel gets them) before the local kernel runs."""
+    op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    redistribute = _compat.dispatch_redistributor()
+    local_kwargs = dict(op_info.local_kwargs)
+    for name, value in kwargs.items():
+        if isinstance(value, _compat.DTensor):
+            target = _compat.DTensorSpec(value.device_mesh, tuple(placements_for(name, value, schema)),
+                                         tensor_meta=value._spec.tensor_meta)
+            local_kwargs[name] = redistribute(value._local_tensor, value._spec, target)
+    return _compat.wrap_local_results(op_call(*op_info.local_args, **local_kwargs), sharding.output_spec)

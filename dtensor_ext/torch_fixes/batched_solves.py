@@ -7,9 +7,9 @@ same batch, A whole against B's shard makes the local kernel broadcast A's full 
 error, or on a 2x2 mesh an output whose shards hold the whole batch while claiming `Shard`: an invalid DTensor,
 found by the thorough OpInfo run). Where B has fewer batch dims than the factorization (`ldl_solve` of LD
 `[2, 5, 5]` with B `[5, 5]`), the shared index shards B's matrix rows instead. The fix keeps torch's rows without
-a shard (the Partial rows: the solution is linear in B) and states the batch rows by broadcasting: for each batch
-dim of the output, an operand that has the dim with more than one entry is sharded on it, one that lacks it or
-has size 1 stays whole.
+a shard (the Partial rows: the solution is linear in B) and states the batch rows by broadcasting, as the
+elementwise rows of the operands' batch dims (the factor-signature generator): for each batch dim of the output,
+an operand that has the dim unbroadcast is sharded on it, one that lacks it or broadcasts it stays whole.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import functools
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import Replicate, ShardingPlaceholder
+from dtensor_ext._compat import ShardingPlaceholder
+from dtensor_ext.rules.pointwise import elementwise_rows
 from dtensor_ext.torch_fixes import applied_to, torch_fix
 from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules
 
@@ -34,19 +35,10 @@ CORE_DIMS = {
 
 
 def batch_rows(operands: list[tuple[torch.Size, int]]) -> list[list]:
-    """[out, *operands] for each batch dim of the output that some operand really has (size above 1), given each
-    operand's (shape, trailing non-batch dims); batch dims align from the right, as broadcasting does."""
-    batch_ndims = [len(shape) - core for shape, core in operands]
-    out_batch = max(batch_ndims)
-    rows = []
-    for out_dim in range(out_batch):
-        row = [ShardingPlaceholder(out_dim)]
-        for (shape, _), ndim in zip(operands, batch_ndims):
-            own_dim = out_dim - (out_batch - ndim)
-            row.append(ShardingPlaceholder(own_dim) if own_dim >= 0 and shape[own_dim] != 1 else Replicate())
-        if any(not isinstance(p, Replicate) for p in row[1:]):
-            rows.append(row)
-    return rows
+    """[out, *operands] given each operand's (shape, trailing non-batch dims): the elementwise rows of the batch
+    dims alone (aligned from the right, a broadcast dim whole), which lead, so their indices are the operands' own."""
+    return elementwise_rows([_compat.tensor_meta(torch.empty(shape[: len(shape) - core], device="meta"))
+                             for shape, core in operands])
 
 
 def _has_shard(row) -> bool:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, Placement, Replicate, Shard
-from dtensor_ext.torch_fixes import generic_dispatch, swap_handlers, torch_fix
+from dtensor_ext.torch_fixes import dispatch_moving_keywords, swap_handlers, torch_fix
 
 aten = torch.ops.aten
 TOLERANCES = ("atol", "rtol")
@@ -41,28 +41,21 @@ def tolerance_placements(matrices: DTensorSpec, tolerance: torch.Size) -> tuple[
     return tuple(placements)
 
 
+def _like_the_batch(name, tolerance, schema):
+    return tolerance_placements(schema.args_schema[0], tolerance.shape)
+
+
 def _pinv(op_call, args, kwargs):
-    tolerances = {name: kwargs[name] for name in TOLERANCES if isinstance(kwargs.get(name), DTensor)}
-    if not tolerances:
-        return generic_dispatch(op_call, args, kwargs)
-    matrices = args[0]
-    batch = matrices.shape[:-2]
-    for name, tolerance in tolerances.items():
-        if torch.broadcast_shapes(batch, tolerance.shape) != batch:
+    batch = args[0].shape[:-2]
+    for name in TOLERANCES:
+        tolerance = kwargs.get(name)
+        if isinstance(tolerance, DTensor) and torch.broadcast_shapes(batch, tolerance.shape) != batch:
             raise NotImplementedError(
                 f"{op_call}: keyword {name} of shape {tuple(tolerance.shape)} broadcasts the batch dims "
                 f"{tuple(batch)} of the matrices to more pseudo-inverses than there are matrices; expected a "
                 f"tolerance broadcastable to {tuple(batch)}"
             )
-    op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
-    matrices_target = schema.args_schema[0]
-    redistribute = _compat.dispatch_redistributor()
-    local_kwargs = dict(op_info.local_kwargs)
-    for name, tolerance in tolerances.items():
-        target = DTensorSpec(tolerance.device_mesh, tolerance_placements(matrices_target, tolerance.shape),
-                             tensor_meta=tolerance._spec.tensor_meta)
-        local_kwargs[name] = redistribute(tolerance._local_tensor, tolerance._spec, target)
-    return _compat.wrap_local_results(op_call(*op_info.local_args, **local_kwargs), sharding.output_spec)
+    return dispatch_moving_keywords(op_call, args, kwargs, _like_the_batch)
 
 
 @functools.cache

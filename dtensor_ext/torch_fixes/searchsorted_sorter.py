@@ -1,4 +1,5 @@
-"""`torch.searchsorted(seq, values, sorter=...)` (values a tensor or one number) on DTensors: the keyword `sorter` is moved with the sequence.
+"""`torch.searchsorted(seq, values, sorter=...)` (values a tensor or one number): the keyword `sorter` is moved
+with the sequence.
 
 `sorter` is keyword-only, and DTensor's dispatch redistributes positional tensors only: where the strategy moves
 the sequence (rows sharded like the values, or gathered), the kernel still gets the sorter's unmoved pieces, and
@@ -13,25 +14,19 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from dtensor_ext import _compat
-from dtensor_ext._compat import DTensorSpec, Replicate, Shard
-from dtensor_ext.torch_fixes import applied_to, generic_dispatch, swap_handlers, torch_fix
+from dtensor_ext._compat import Replicate, Shard
+from dtensor_ext.torch_fixes import applied_to, dispatch_moving_keywords, swap_handlers, torch_fix
 
 aten = torch.ops.aten
 
 
+def _with_the_sequence(name, sorter, schema):
+    return schema.args_schema[0].placements
+
+
 def _searchsorted(op_call, args, kwargs):
-    sorter = kwargs.get("sorter")
-    if not isinstance(sorter, DTensor):
-        return generic_dispatch(op_call, args, kwargs)
-    op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
-    seq_target = schema.args_schema[0]
-    target = DTensorSpec(sorter.device_mesh, tuple(seq_target.placements), tensor_meta=sorter._spec.tensor_meta)
-    local_kwargs = dict(op_info.local_kwargs)
-    local_kwargs["sorter"] = _compat.dispatch_redistributor()(sorter._local_tensor, sorter._spec, target)
-    return _compat.wrap_local_results(op_call(*op_info.local_args, **local_kwargs), sharding.output_spec)
+    return dispatch_moving_keywords(op_call, args, kwargs, _with_the_sequence)
 
 
 @functools.cache

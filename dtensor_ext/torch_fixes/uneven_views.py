@@ -18,6 +18,7 @@ each rank's element counts before and after (`unaliased_layout`) and refuses suc
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -48,6 +49,11 @@ def _uneven_dims(op_schema: OpSchema) -> list[tuple[int, int, int, int]]:
     return found
 
 
+# the first way out of every refusal here
+_VIEW_COPIES = ("run this code inside `dtensor_ext.view_copies.view_copies()` (the view becomes a redistributed copy "
+                "that does not share storage with its input)")
+
+
 def _local_numels(shape, spec: DTensorSpec) -> list[int]:
     return [math.prod(s) for s in _compat.local_shapes(shape, spec.mesh.shape, spec.placements)]
 
@@ -63,8 +69,8 @@ def unaliased_layout(op_schema: OpSchema, offered: OpStrategy) -> str | None:
         source = spec.input_specs[0] if spec.input_specs else op_schema.args_schema[0].strategies[0].output_spec
         before, after = _local_numels(shape, source), _local_numels(target, spec.output_spec)
         if before != after:
-            twice = sorted({p.dim for p in source.placements if isinstance(p, Shard)
-                            and sum(isinstance(q, Shard) and q.dim == p.dim for q in source.placements) > 1})
+            shard_counts = Counter(p.dim for p in source.placements if isinstance(p, Shard))
+            twice = sorted(d for d, count in shard_counts.items() if count > 1)
             sizes = sorted({s[d] for s in _compat.local_shapes(shape, source.mesh.shape, source.placements)
                             for d in twice})
             return (f"input dims {twice} are sharded on more than one mesh dim ({source.placements} over mesh "
@@ -77,9 +83,11 @@ def _sharded_once(spec: DTensorSpec) -> DTensorSpec:
     """`spec` with every tensor dim sharded by its outermost mesh dim only."""
     seen, placements = set(), []
     for p in spec.placements:
-        twice = isinstance(p, Shard) and p.dim in seen
-        placements.append(Replicate() if twice else p)
-        seen |= {p.dim} if isinstance(p, Shard) else set()
+        if isinstance(p, Shard) and p.dim in seen:
+            p = Replicate()
+        elif isinstance(p, Shard):
+            seen.add(p.dim)
+        placements.append(p)
     return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
 
 
@@ -119,18 +127,15 @@ def explaining_uneven(torch_strategy):
                 f"{op_schema.op}: view of a tensor of shape {list(op_schema.args_schema[0].shape)} to "
                 f"{list(op_schema.args_schema[1])}: dim {dim} (size {size}) is sharded unevenly over mesh dim "
                 f"{mesh_dim} (size {ways}), and no placement describes the viewed shards as an alias of the input's. "
-                f"Either run this code inside `dtensor_ext.view_copies.view_copies()` (the view becomes a "
-                f"redistributed copy that does not share storage with its input), or make dim {dim} a multiple of "
-                f"{ways} (e.g. pad the batch from {size} to {padded}). torch: {e}"
+                f"Either {_VIEW_COPIES}, or make dim {dim} a multiple of {ways} (e.g. pad the batch from {size} to "
+                f"{padded}). torch: {e}"
             ) from e
         wrong = unaliased_layout(op_schema, offered)
         if wrong is not None:
             raise UnevenViewError(
                 f"{op_schema.op}: view of a tensor of shape {list(op_schema.args_schema[0].shape)} to "
                 f"{list(op_schema.args_schema[1])}: {wrong}, and no placement describes the viewed shards as an "
-                f"alias of the input's. Either run this code inside `dtensor_ext.view_copies.view_copies()` (the view "
-                f"becomes a redistributed copy that does not share storage with its input), or shard the dim on one "
-                f"mesh dim."
+                f"alias of the input's. Either {_VIEW_COPIES}, or shard the dim on one mesh dim."
             )
         return offered
 

@@ -29,6 +29,7 @@ SHAPES = {  # A's batch, B's shape, left
     "uneven batch": ((3,), (3, 3, 2), True),
     "A broadcasts": ((1,), (4, 3, 2), True),
     "B broadcasts": ((4,), (1, 3, 2), True),
+    "one matrix each": ((1,), (1, 3, 2), True),
     "B has fewer dims": ((4,), (3, 2), True),
     "A has more dims": ((2, 4), (4, 3, 2), True),
     "right side": ((4,), (4, 2, 3), False),
@@ -88,7 +89,8 @@ def test_batch_rows_follow_broadcasting():
     assert rows(([1, 3, 3], 2), ([4, 3, 2], 2)) == [f"{s[0]} {r} {s[0]}"]
     assert rows(([4, 3, 3], 2), ([3, 2], 2)) == [f"{s[0]} {s[0]} {r}"]
     assert rows(([2, 4, 3, 3], 2), ([4, 3, 2], 2)) == [f"{s[0]} {s[0]} {r}", f"{s[1]} {s[1]} {s[0]}"]
-    assert rows(([1, 3, 3], 2), ([1, 3, 2], 2)) == []
+    assert rows(([1, 3, 3], 2), ([1, 3, 2], 2)) == [f"{s[0]} {s[0]} {s[0]}"]  # size 1 everywhere: sharded alike
+    assert rows(([3, 3], 2), ([3, 2], 2)) == []
     assert rows(([2, 5, 5], 2), ([2, 5], 1), ([5, 5], 2)) == [f"{s[0]} {s[0]} {s[0]} {r}"]
 
 
