@@ -51,17 +51,20 @@ class RuleSpec:
 class RegistryEntry:
     op: str
     family: str
-    # "added" | "skipped" | "upgraded" | "absent" (op missing from this torch) | "not installed"; for torch fixes
-    # (family "torch fix"): "fixed" | "not needed" (this torch lacks the defect)
+    # "added" | "skipped" | "upgraded" | "absent" (op missing from this torch) | "not installed" | "needs newer
+    # torch" (left out: this torch lacks what the rule or fix needs, see `needs`); for torch fixes (family
+    # "torch fix"): "fixed" | "not needed" (this torch lacks the defect)
     status: str
     # how torch itself shards the op: single_dim / op_strategy / rule, "decomposition" (its generic fallback,
     # which a direct rule takes precedence over) or None
     torch_strategy: str | None
     where: str
     variant_of: str | None = None
+    needs: str | None = None  # with status "needs newer torch": the torch release and the capability it needs
 
 
 _SPECS: dict[str, RuleSpec] = {}
+NEEDS_NEWER_TORCH = "needs newer torch"
 
 
 def _op_name(op: OpOverload | str) -> str:
@@ -203,6 +206,10 @@ def _install_spec(
     torch_kind = _compat.torch_strategy_kind(op)
     if torch_kind in _compat.DIRECT_STRATEGY_KINDS and not _wants_upgrade(spec, upgrade):
         return RegistryEntry(spec.op_name, spec.family, "skipped", torch_kind, spec.where), None
+    if spec.local_scalars is not None and not _compat.can_adjust_scalars():
+        entry = RegistryEntry(spec.op_name, spec.family, NEEDS_NEWER_TORCH, torch_kind, spec.where,
+                              needs=_compat.SCALAR_ADJUSTERS)
+        return entry, None
     previous[op] = _compat.snapshot_registration(op)
     _compat.restore_registration(op, {})  # a single-dim entry must not sit beside a stale op_strategy
     _compat.register_single_dim(
@@ -240,7 +247,13 @@ def _apply_torch_fixes(entries: list[RegistryEntry]) -> list[Callable[[], None]]
 
     undos = []
     for fix in declared_fixes().values():
-        undo = fix.apply()
+        try:
+            undo = fix.apply()
+        except _compat.TorchLacks as lack:
+            entries.extend(
+                RegistryEntry(op, "torch fix", NEEDS_NEWER_TORCH, None, fix.where, needs=lack.needs) for op in fix.ops
+            )
+            continue
         if undo is not None:
             undos.append(undo)
         fixed = applied_ops(undo, fix.ops)

@@ -144,14 +144,30 @@ def register_single_dim(
     _sds.register_single_dim_strategy(op, **kwargs)(_adapt_rows_for_torch(func))
 
 
+class TorchLacks(NotImplementedError):
+    """The running torch lacks a capability a rule or fix needs; `needs` says which torch has it."""
+
+    def __init__(self, what: str, needs: str):
+        super().__init__(f"{what}: this torch lacks what it needs ({needs})")
+        self.needs = needs
+
+
+SCALAR_ADJUSTERS = "torch >= 2.13 (per-rank scalar-argument adjusters)"
+
+
+def can_adjust_scalars() -> bool:
+    """Whether DTensor's propagator can rewrite shape-derived scalar args per rank (a table 2.13 added)."""
+    return hasattr(propagator(), "op_to_scalar_shape_adjuster")
+
+
 def register_scalar_adjuster(op: OpOverload, local_scalars: Callable) -> None:
     """Have DTensor rewrite `op`'s shape-derived scalar args for each rank's local tensors before running it.
 
     local_scalars(args, local_shapes) -> args, where local_shapes lists the local shape of every tensor arg.
     """
     prop = propagator()
-    if not hasattr(prop, "op_to_scalar_shape_adjuster"):
-        raise NotImplementedError(f"{op}: this torch cannot rewrite scalar args per rank (needs torch >= 2.13)")
+    if not can_adjust_scalars():
+        raise TorchLacks(f"{op}: rewriting scalar args per rank", SCALAR_ADJUSTERS)
 
     def adjust(input_specs: Sequence[DTensorSpec], schema: OpSchema) -> OpSchema:
         local_shapes = [
@@ -257,7 +273,9 @@ def _filtered_rules_as_rules():
         clear_sharding_caches()
 
 
-PreparedSingleDimStrategy = _sds._PreparedSingleDimStrategy
+# 2.12+: torch's expansion of single-dim rules through a prepared object, which fast propagation reuses; 2.11 has
+# the expansion as one function only, so fast propagation is unavailable there.
+PreparedSingleDimStrategy = getattr(_sds, "_PreparedSingleDimStrategy", None)
 
 
 # torch's own N-D expansion, captured at import so that it can always be called and put back

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtensor_ext._compat import Partial, Replicate, RuntimeSchemaInfo
+from dtensor_ext._compat import Partial, Replicate, RuntimeSchemaInfo, Shard, StridedShard
 from dtensor_ext._compat import ShardingPlaceholder as S
 from dtensor_ext.registry import single_dim_rule
 
@@ -61,6 +61,22 @@ def _follow(meta, dim: int, rank: int = 4):
         return None
     d = dim - (rank - len(meta.shape))
     return R() if d < 0 or meta.shape[d] == 1 else S(d)
+
+
+def mask_placements(query_placements, mask_shape) -> tuple:
+    """Where a mask of `mask_shape` belongs once q (BHLE) is placed so: every split above gives the mask q's split
+    of batch, heads or query rows (a size-1 dim broadcasts, so stays whole), and every other row keeps it whole."""
+    placements = []
+    for placement in query_placements:
+        dim = placement.dim if isinstance(placement, (Shard, StridedShard)) else None
+        own_dim = None if dim is None else dim - (4 - len(mask_shape))
+        if own_dim is None or own_dim < 0 or mask_shape[own_dim] == 1:
+            placements.append(R())
+        elif isinstance(placement, StridedShard):
+            placements.append(StridedShard(own_dim, split_factor=placement.split_factor))
+        else:
+            placements.append(Shard(own_dim))
+    return tuple(placements)
 
 
 def batch_head_splits(query, key, layout: Layout, mask=None, *, even_only: bool = False) -> list[Split]:

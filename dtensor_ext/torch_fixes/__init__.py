@@ -53,11 +53,11 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
 def declared_fixes() -> dict[str, TorchFix]:
     # imported (so applied) in this order: fft_linearity edits the FFT rules that empty_shards then wraps
     from dtensor_ext.torch_fixes import (  # noqa: F401  (declares the fixes)
-        allclose, attention_layout, conv_handlers, copy_variants, embedding_renorm, embedding_rows, fft_linearity,
-        empty_shards, empty_views, grouped_mm_meta, infeasible_choice, inplace_clamp, inplace_copy, inplace_shift,
-        list_indices, logsumexp_keepdim, losses, mask_partial_reads, mean_as_sum, partial_fill, pinv_tolerances,
-        replicate_first, searchsorted_sorter, segment_reduce, shard_to_partial, batched_solves, uneven_rules,
-        uneven_views,
+        allclose, attention_layout, attention_mask, conv_handlers, copy_variants, embedding_renorm, embedding_rows,
+        fft_linearity, empty_shards, empty_views, grouped_mm_meta, infeasible_choice, inplace_clamp, inplace_copy,
+        inplace_shift, list_indices, logsumexp_keepdim, losses, mask_partial_reads, mean_as_sum, partial_fill,
+        pinv_tolerances, replicate_first, searchsorted_sorter, segment_reduce, shard_to_partial, batched_solves,
+        uneven_rules, uneven_views,
     )
 
     return dict(_FIXES)
@@ -127,10 +127,12 @@ def generic_dispatch(op_call: OpOverload, args: tuple, kwargs: dict, *, local_re
     return _compat.wrap_local_results(local, sharding.output_spec)
 
 
-def dispatch_moving_keywords(op_call: OpOverload, args: tuple, kwargs: dict, placements_for: Callable):
+def dispatch_moving_keywords(
+    op_call: OpOverload, args: tuple, kwargs: dict, placements_for: Callable, *, local_results: Callable | None = None
+):
     """DTensor's generic path plus the step it leaves out: DTensor redistributes positional tensors only, so each
     DTensor keyword argument is moved here to `placements_for(name, tensor, schema)` (`schema`: the positional
-    inputs as the kernel gets them) before the local kernel runs."""
+    inputs as the kernel gets them) before the local kernel runs; `local_results` as in generic_dispatch."""
     op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
     redistribute = _compat.dispatch_redistributor()
     local_kwargs = dict(op_info.local_kwargs)
@@ -139,4 +141,7 @@ def dispatch_moving_keywords(op_call: OpOverload, args: tuple, kwargs: dict, pla
             target = _compat.DTensorSpec(value.device_mesh, tuple(placements_for(name, value, schema)),
                                          tensor_meta=value._spec.tensor_meta)
             local_kwargs[name] = redistribute(value._local_tensor, value._spec, target)
-    return _compat.wrap_local_results(op_call(*op_info.local_args, **local_kwargs), sharding.output_spec)
+    local = op_call(*op_info.local_args, **local_kwargs)
+    if local_results is not None:
+        local = local_results(local, sharding.output_spec)
+    return _compat.wrap_local_results(local, sharding.output_spec)

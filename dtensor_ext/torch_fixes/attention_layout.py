@@ -40,18 +40,18 @@ def _laid_out_like(local: torch.Tensor, claimed_strides) -> torch.Tensor:
     return local.permute(order).contiguous().permute(inverse)
 
 
-def _layouts_kept(local_results, output_spec):
+def layouts_kept(local_results, output_spec):
     if isinstance(local_results, torch.Tensor):
         meta = getattr(output_spec, "tensor_meta", None)
         return local_results if meta is None else _laid_out_like(local_results, meta.stride)
     if isinstance(local_results, (tuple, list)):
         specs = output_spec if isinstance(output_spec, (tuple, list)) else [output_spec] * len(local_results)
-        return type(local_results)(_layouts_kept(r, s) for r, s in zip(local_results, specs))
+        return type(local_results)(layouts_kept(r, s) for r, s in zip(local_results, specs))
     return local_results
 
 
 def attention_with_true_strides(op_call, args, kwargs):
-    return generic_dispatch(op_call, args, kwargs, local_results=_layouts_kept)
+    return generic_dispatch(op_call, args, kwargs, local_results=layouts_kept)
 
 
 def _cpu_kernel_layout_follows_inputs() -> bool:

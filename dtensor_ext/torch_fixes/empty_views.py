@@ -17,7 +17,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
-from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes import applied_to, torch_fix
 from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
 aten = torch.ops.aten
@@ -74,4 +74,6 @@ def empty_aware(torch_strategy):
 def fix_empty_views():
     if not _compat.view_groups_drops_empty_dims():
         return None
-    return wrap_strategies(_VIEW_OPS, empty_aware)
+    # torch 2.11 has no strategy of its own for view_copy (it decomposes into view, which this fix covers)
+    ops = [op for op in _VIEW_OPS if _compat.torch_strategy_kind(op) == "op_strategy"]
+    return applied_to(ops, wrap_strategies(ops, empty_aware))

@@ -14,9 +14,15 @@ def wrap_strategies(
 ) -> Undo:
     """Register `wrap(torch's strategy function)` as each op's strategy, with torch's schema info for it. The
     strategy and schema info are those torch has for `strategy_of(op)` (default: the op itself)."""
+    ops = list(ops)
+    entries = {op: _compat.snapshot_registration(strategy_of(op) if strategy_of else op) for op in ops}
+    for op, entry in entries.items():  # checked before anything changes: a refusal leaves torch as it was
+        if "op_strategy_funcs" not in entry:
+            kind = _compat.torch_strategy_kind(strategy_of(op) if strategy_of else op)
+            raise _compat.TorchLacks(f"{op}: wrapping its strategy function",
+                                     f"a torch sharding it with an op_strategy (2.12+); this one has {kind}")
     undos = []
-    for op in ops:
-        entry = _compat.snapshot_registration(strategy_of(op) if strategy_of else op)
+    for op, entry in entries.items():
         undos.append(restorer(op))
         _compat.register_op_strategy(op, wrap(entry["op_strategy_funcs"]), schema_info=entry.get("op_to_schema_info"))
     return undo_all(undos)

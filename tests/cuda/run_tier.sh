@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The CUDA tier on a GPU machine, with the packages it has (no install, no network; expecttest is not needed):
+#   bash tests/cuda/run_tier.sh OUT_DIR
+# runs every test marked `cuda` (tests/cuda) plus the torch-fix tests of the keyword attention mask, from the
+# repository root, and writes OUT_DIR/summary.txt (GPU, torch, transformers, pytest's outcome per test) and
+# OUT_DIR/junit.xml. Exit status: pytest's.
+set -uo pipefail
+out=${1:?usage: tests/cuda/run_tier.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    python -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'
+    python -c 'import dtensor_ext, collections; print("registry", dict(collections.Counter(e.status for e in dtensor_ext.registry())))'
+} > "$out/summary.txt" 2>&1
+timeout 460 python -m pytest tests/cuda tests/torch_fixes/test_attention_mask.py -rA -q \
+    -p no:cacheprovider --timeout 300 --junitxml "$out/junit.xml" > "$out/pytest.txt" 2>&1
+status=$?
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|passed|failed" "$out/pytest.txt" >> "$out/summary.txt"
+tail -n 1 "$out/pytest.txt"
+exit $status
