@@ -122,11 +122,12 @@ def _dropout_causal(args, kwargs, first):
 
 
 # Even shards only: on torch 2.13 the CPU kernel kills the process (SIGFPE) when heads, query or key sequence are
-# empty (or k has more heads than q), and an uneven shard can be empty.
-_CPU_KERNEL = {"family": FAMILY, "allow_uneven_sharding": False}
+# empty (or k has more heads than q), and so does the CUDA flash kernel on empty heads (H200, torch 2.11); an uneven
+# shard can be empty.
+_EVEN_SHARDS = {"family": FAMILY, "allow_uneven_sharding": False}
 
 
-@single_dim_rule("aten::_scaled_dot_product_flash_attention_for_cpu", schema_info=RuntimeSchemaInfo(3), **_CPU_KERNEL)
+@single_dim_rule("aten::_scaled_dot_product_flash_attention_for_cpu", schema_info=RuntimeSchemaInfo(3), **_EVEN_SHARDS)
 def cpu_flash_attention_rule(op, args, kwargs):
     """(q, k, v[, mask]) -> (out, logsumexp)."""
     query, key, value = args[:3]
@@ -143,7 +144,7 @@ def cpu_flash_attention_rule(op, args, kwargs):
 
 
 @single_dim_rule(
-    "aten::_scaled_dot_product_flash_attention_for_cpu_backward", schema_info=RuntimeSchemaInfo(6), **_CPU_KERNEL
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward", schema_info=RuntimeSchemaInfo(6), **_EVEN_SHARDS
 )
 def cpu_flash_attention_backward_rule(op, args, kwargs):
     """(grad_out, q, k, v, out, logsumexp[, mask]) -> (grad_q, grad_k, grad_v)."""
@@ -170,7 +171,7 @@ def _dense_splits(query, key, layout, dropout_p, mask=None, ragged=()):
     return batch_head_splits(query, key, layout, mask)
 
 
-@single_dim_rule("aten::_flash_attention_forward", family=FAMILY, schema_info=RuntimeSchemaInfo(3))
+@single_dim_rule("aten::_flash_attention_forward", **_EVEN_SHARDS, schema_info=RuntimeSchemaInfo(3))
 def flash_attention_rule(op, args, kwargs):
     """(q, k, v, cum_seq_q?, cum_seq_k?) -> (out, logsumexp, rng_state, unused, debug_attn_mask); BLHE."""
     query, key, value, cum_seq_q, cum_seq_k = args[:5]
@@ -186,7 +187,7 @@ def flash_attention_rule(op, args, kwargs):
     ]
 
 
-@single_dim_rule("aten::_flash_attention_backward", family=FAMILY, schema_info=RuntimeSchemaInfo(8))
+@single_dim_rule("aten::_flash_attention_backward", **_EVEN_SHARDS, schema_info=RuntimeSchemaInfo(8))
 def flash_attention_backward_rule(op, args, kwargs):
     """(grad_out, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, rng_state, unused) -> grads; BLHE."""
     grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k = args[:8]
@@ -200,7 +201,7 @@ def flash_attention_backward_rule(op, args, kwargs):
     ]
 
 
-@single_dim_rule("aten::_efficient_attention_forward", family=FAMILY, schema_info=RuntimeSchemaInfo(3))
+@single_dim_rule("aten::_efficient_attention_forward", **_EVEN_SHARDS, schema_info=RuntimeSchemaInfo(3))
 def efficient_attention_rule(op, args, kwargs):
     """(q, k, v, bias?, cu_seqlens_q?, cu_seqlens_k?[, seqlen_k]) -> (out, logsumexp, philox_seed, philox_offset)."""
     query, key, value, bias, cu_seqlens_q, cu_seqlens_k = args[:6]
@@ -212,7 +213,7 @@ def efficient_attention_rule(op, args, kwargs):
     ]
 
 
-@single_dim_rule("aten::_efficient_attention_backward", family=FAMILY, schema_info=RuntimeSchemaInfo(8))
+@single_dim_rule("aten::_efficient_attention_backward", **_EVEN_SHARDS, schema_info=RuntimeSchemaInfo(8))
 def efficient_attention_backward_rule(op, args, kwargs):
     """(grad_out, q, k, v, bias?, out, cu_seqlens_q?, cu_seqlens_k?, logsumexp, philox_seed, philox_offset)
     -> (grad_q, grad_k, grad_v, grad_bias)."""
@@ -227,7 +228,7 @@ def efficient_attention_backward_rule(op, args, kwargs):
 
 
 @single_dim_rule(
-    "aten::_scaled_dot_product_fused_attention_overrideable", family=FAMILY, schema_info=RuntimeSchemaInfo(4)
+    "aten::_scaled_dot_product_fused_attention_overrideable", **_EVEN_SHARDS, schema_info=RuntimeSchemaInfo(4)
 )
 def fused_attention_overrideable_rule(op, args, kwargs):
     """(q, k, v, attn_bias?) -> (out, logsumexp, cum_seq_q, cum_seq_k, philox_seed, philox_offset, debug_mask)."""
@@ -242,7 +243,7 @@ def fused_attention_overrideable_rule(op, args, kwargs):
 
 @single_dim_rule(
     "aten::_scaled_dot_product_fused_attention_overrideable_backward",
-    family=FAMILY,
+    **_EVEN_SHARDS,
     schema_info=RuntimeSchemaInfo(5),
 )
 def fused_attention_overrideable_backward_rule(op, args, kwargs):
