@@ -66,13 +66,13 @@ def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, 
             raise NotImplementedError("Partial(avg) of an integer tensor cannot be split exactly")
         if floating:
             head = 0.6 + 0.1 * (salt % 3)
-            offset = (value.abs() + 1) * (1 - 2 * _pattern(tuple(value.shape), salt)).to(value.dtype)
+            offset = (value.abs() + 1) * (1 - 2 * _pattern(tuple(value.shape), salt)).to(value)
             if coord == 0:
                 piece = value * head + offset
             else:
                 piece = value * ((1 - head) / (parts - 1)) - offset / (parts - 1)
         else:
-            offset = (1 - 2 * _pattern(tuple(value.shape), salt)).to(value.dtype) * (salt % 3 + 1)
+            offset = (1 - 2 * _pattern(tuple(value.shape), salt)).to(value) * (salt % 3 + 1)
             piece = value - offset * (parts - 1) if coord == 0 else offset.expand(value.shape).clone()
         return piece * parts if reduce_op == "avg" else piece
     if reduce_op in ("max", "min"):
@@ -83,7 +83,7 @@ def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, 
         span = (value.max() - value.min()).abs() * 2 + 1
         far = value - span if reduce_op == "max" else value + span
         # the rank that holds the true value differs per element, so index-returning ops see disagreeing ranks
-        holder = _pattern(tuple(value.shape), salt, parts)
+        holder = _pattern(tuple(value.shape), salt, parts).to(value.device)
         return torch.where(holder == coord, value, far.to(value.dtype))
     raise NotImplementedError(f"Partial({reduce_op!r}) inputs are not supported by the checker")
 

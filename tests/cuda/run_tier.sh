@@ -18,7 +18,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # -v: each outcome is written as it happens, so a run stopped by the time limit still reports what it reached;
 # with pytest-xdist, workers in processes of their own: a kernel that kills its process fails one test, not the tier
 workers=$(python -c 'import xdist' 2>/dev/null && echo "-n ${TIER_WORKERS:-6}")
-timeout "${TIER_TIMEOUT:-460}" python -m pytest $workers tests/torch_fixes/test_attention_mask.py tests/torch_fixes/test_attention_empty_shards.py tests/cuda/test_attention.py \
+timeout "${TIER_TIMEOUT:-460}" python -m pytest $workers tests/torch_fixes/test_attention_mask.py tests/torch_fixes/test_attention_empty_shards.py \
+    tests/torch_fixes/test_attention_bias.py tests/torch_fixes/test_mask_partial_views.py tests/cuda/test_attention.py \
     tests/cuda/test_grouped_mm.py tests/cuda/test_compile.py tests/cuda/test_zoo.py -v -rfEsxX \
     -p no:cacheprovider --timeout 200 --tb=short --junitxml "$out/junit.xml" > "$out/pytest.txt" 2>&1
 status=$?

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtensor_ext import _compat
@@ -42,7 +43,8 @@ def fake_world_of_two():
 def _step(model, x):
     out = model(x)
     out.float().pow(2).mean().backward()
-    return out.detach(), {n: p.grad.to_local().clone() for n, p in model.named_parameters() if p.grad is not None}
+    local = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+    return out.to_local().detach() if isinstance(out, DTensor) else out.detach(), local
 
 
 def test_compiled_tp_step_equals_eager_without_graph_breaks(fake_world_of_two):

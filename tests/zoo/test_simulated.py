@@ -97,3 +97,15 @@ def test_uneven_batch_runs_with_view_copies_and_only_with_them():
 def test_moe_in_bfloat16_without_implicit_replication(model):
     step = Step(model, dtype=torch.bfloat16)
     assert _on_mesh((2, 2), all_dtensor, step, atol=2e-2, rtol=2e-2) == "ok"
+
+
+@pytest.mark.parametrize("model", [DENSE[0], MOE[0]])
+def test_sdpa_with_a_4d_mask_on_2x2(model):
+    """HF passes a 4-D mask to SDPA as the keyword attn_mask, which DTensor never moves: the package moves it with the
+    queries (torch fix 'attention keyword mask')."""
+    step = Step(model, explicit_mask=True)
+    expected = one_device(step)
+    hf_model, inputs = step.build(), step.inputs()
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+        result = all_dtensor(hf_model, inputs, mesh)
+    assert mismatches(result, expected) == []
