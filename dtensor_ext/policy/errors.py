@@ -24,4 +24,4 @@ class PolicyError(ValueError):
         self.field = field
         self.value = value
         self.expected = expected
-        super().__init__(f"{where}: field {field!r} got {short_repr(value)}; expected {expected}")
+        super().__init__(f"{where}: field {short_repr(field)} got {short_repr(value)}; expected {expected}")

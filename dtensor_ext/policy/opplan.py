@@ -73,10 +73,13 @@ def get_pas_ops(graph: GraphView) -> list[OpNode]:
 
 
 def get_layer_index(qualified_name: str) -> int:
-    """The one integer component of a qualified name: ``layers.3.attention.wq`` -> 3."""
-    found = [int(part) for part in qualified_name.split(".") if part.isdigit()]
+    """The one integer component (ASCII digits) of a qualified name: ``layers.3.attention.wq`` -> 3."""
+    where = f"get_layer_index({short_repr(qualified_name, 80)})"
+    if not isinstance(qualified_name, str):
+        raise PolicyError(where, "qualified_name", qualified_name, "a qualified module name such as layers.3.mlp")
+    found = [int(part) for part in qualified_name.split(".") if part.isascii() and part.isdigit()]
     if len(found) != 1:
-        raise PolicyError(f"get_layer_index({qualified_name!r})", "qualified_name", qualified_name,
+        raise PolicyError(where, "qualified_name", qualified_name,
                           f"exactly one integer component, found {len(found)}")
     return found[0]
 
@@ -86,5 +89,8 @@ _SELF_CALL = re.compile(r"\bself\.([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 
 def get_called_self_module_name(call_expr: str) -> str:
     """``"out = self.up_proj(x)"`` -> ``"up_proj"``; an expression that calls no ``self.<name>(...)`` -> ``""``."""
+    if not isinstance(call_expr, str):
+        raise PolicyError(f"get_called_self_module_name({short_repr(call_expr, 80)})", "call_expr", call_expr,
+                          "the source text of a call, such as OpNode.call_expr")
     match = _SELF_CALL.search(call_expr)
     return match.group(1) if match else ""

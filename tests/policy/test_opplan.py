@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from dtensor_ext.policy import OpPartition, OpPlan, PolicyError
+from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, get_called_self_module_name, get_layer_index
 
 NEGATIVE = "a non-negative input index (positional input of the op; negative indexes do not count from the end)"
 
@@ -72,3 +72,21 @@ def test_op_with_a_failing_repr_still_gets_a_message():
         OpPlan(Broken(), partition="x")
     assert str(info.value) == ("OpPlan for <Broken object with a failing repr>: field 'partition' got 'x'; "
                                "expected OpPartition(input, dim), 'auto' or None")
+
+
+def test_layer_index_reads_ascii_digits_only():
+    assert get_layer_index("model.layers.12.mlp") == 12
+    with pytest.raises(PolicyError) as info:
+        get_layer_index("layers.\u0663.mlp")
+    assert str(info.value) == ("get_layer_index('layers.\u0663.mlp'): field 'qualified_name' got 'layers.\u0663.mlp'; "
+                               "expected exactly one integer component, found 0")
+
+
+@pytest.mark.parametrize("helper, field, expected", [
+    (get_layer_index, "qualified_name", "a qualified module name such as layers.3.mlp"),
+    (get_called_self_module_name, "call_expr", "the source text of a call, such as OpNode.call_expr"),
+])
+def test_string_helpers_refuse_other_types(helper, field, expected):
+    with pytest.raises(PolicyError) as info:
+        helper(None)
+    assert str(info.value) == f"{helper.__name__}(None): field {field!r} got None; expected {expected}"

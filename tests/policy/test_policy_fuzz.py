@@ -71,3 +71,17 @@ def test_fuzzed_op_plan_arguments_build_or_raise_policy_error(partition, recompu
         assert all(_is_int(v) and v >= -1 for v in (plan.recompute_id, plan.stage_id))
         assert all(h is None or callable(h) for h in (plan.pre_hook, plan.post_hook))
         assert plan.mesh_dim is None or plan.mesh_dim.isidentifier()
+
+
+@given(_VALUES, st.one_of(_VALUES, st.lists(st.one_of(_VALUES, st.tuples(_VALUES, _VALUES)), max_size=3)), _VALUES,
+       _VALUES, _VALUES)
+def test_fuzzed_constraint_arguments_build_or_raise_policy_error(name, dims, parent_module, replica_allowed, mesh_dim):
+    try:
+        c = Constraint(name, dims, parent_module, replica_allowed, "fuzzed", mesh_dim)
+    except PolicyError as exc:
+        assert exc.where == "fuzzed" and exc.field in ("name", "allowed_partition_dims", "parent_module",
+                                                        "replica_allowed", "mesh_dim")
+    else:
+        assert isinstance(c.name, str) and c.name and isinstance(c.replica_allowed, bool)
+        assert c.allowed_partition_dims and all(_is_int(i) and i >= 0 and _is_int(d) for i, d in
+                                                c.allowed_partition_dims)

@@ -194,3 +194,9 @@ def test_control_character_is_refused():
     assert _error('- name: torch.sum\n  allowed_partition_dims: ["0,0\x07"]\n') == (
         "<yaml> line 2: field '<document>' got '\\x07'; expected printable characters in YAML (special "
         "characters are not allowed)")
+
+
+def test_a_huge_key_gives_a_short_message():
+    message = _error(f"- ? [{', '.join(['k'] * 5000)}]\n  : 1\n")
+    assert message.startswith("<yaml> entry 0 (line 1): field \"['k', 'k', ")
+    assert len(message) < 2 * MAX_VALUE_CHARS + 150
