@@ -169,7 +169,7 @@ class _BoundedLoader(yaml.SafeLoader):
             raise PolicyError(f"{self._origin} line {mark.line + 1}", "<document>", f"{self._depth} nested levels",
                               f"lists and mappings nested at most {MAX_DEPTH} deep")
         before = self._expanded
-        self._count(1, mark, "a node")
+        self._count(1, mark, "one more node")
         node = super().compose_node(parent, index)
         self._depth -= 1
         self._sizes[node] = self._expanded - before
