@@ -33,8 +33,14 @@ def test_missing_file(tmp_path):
     assert str(info.value) == f"{missing}: field '<file>' got {missing!r}; expected an existing YAML file"
 
 
-def test_empty_document_has_no_constraints():
-    assert parse_constraints("") == []
+@pytest.mark.parametrize("text, where, value", [("", "<yaml>", "''"), ("# no entries yet\n", "<yaml>",
+                                                  "'# no entries yet\\n'"),
+                                                 ("---\n", "<yaml> line 2", "None"), ("[]\n", "<yaml> line 1", "[]")])
+def test_empty_document_plans_nothing_and_is_refused(text, where, value):
+    with pytest.raises(PolicyError) as info:
+        parse_constraints(text)
+    assert str(info.value) == (f"{where}: field '<document>' got {value}; expected a non-empty YAML list of "
+                               "constraint entries (an empty document plans nothing)")
 
 
 def test_file_path_is_named_in_errors(tmp_path):
@@ -60,7 +66,8 @@ def test_malformed_yaml():
 
 def test_document_not_a_list():
     assert _error("name: torch.sum\n") == (
-        "<yaml> line 1: field '<document>' got {'name': 'torch.sum'}; expected a YAML list of constraint entries")
+        "<yaml> line 1: field '<document>' got {'name': 'torch.sum'}; expected a non-empty YAML list of constraint "
+        "entries (an empty document plans nothing)")
 
 
 def test_entry_not_a_mapping():
@@ -106,13 +113,13 @@ def test_allowed_partition_dims_not_a_list():
 def test_dim_string_not_two_integers(dim):
     message = _error(f"- name: torch.sum\n  allowed_partition_dims: [{dim}]\n")
     assert message.startswith("<yaml> entry 0 (line 2): field 'allowed_partition_dims' got ")
-    assert message.endswith('expected "input_index,dim" with two integers, e.g. "0,-1"')
+    assert message.endswith('expected "input_index,dim" with two ASCII integers, e.g. "0,-1"')
 
 
 def test_negative_input_index():
     assert _error('- name: torch.sum\n  allowed_partition_dims: ["-1,0"]\n') == (
         "<yaml> entry 0 (line 2): field 'allowed_partition_dims' got '-1,0'; expected a non-negative input "
-        "index before the comma")
+        "index (positional input of the op; negative indexes do not count from the end)")
 
 
 def test_parent_module_not_a_class_name():
@@ -127,7 +134,7 @@ def test_replica_allowed_not_a_bool():
 
 def test_python_tag_is_refused():
     assert _error("- name: !!python/name:os.system ''\n") == (
-        "<yaml> entry 0 (line 1): field '<value>' got \"could not determine a constructor for the tag "
+        "<yaml> entry 0 (line 1): field 'name' got \"could not determine a constructor for the tag "
         "'tag:yaml.org,2002:python/name:os.system'\"; expected plain YAML values")
 
 
@@ -155,7 +162,7 @@ def test_fuzzed_documents_parse_or_raise_policy_error(document, garbage):
         try:
             constraints = parse_constraints(text)
         except PolicyError as exc:
-            assert re.fullmatch(r"<yaml>( entry \d+ \(line \d+\)| line \d+)", exc.where)
+            assert re.fullmatch(r"<yaml>( entry \d+ \(line \d+\)| line \d+)?", exc.where)
             assert isinstance(exc.field, str) and exc.expected and str(exc).startswith(exc.where)
         else:
             assert all(isinstance(c, Constraint) for c in constraints)

@@ -124,8 +124,7 @@ def test_op_planned_twice(error):
 
 def test_partition_of_wrong_type(error):
     assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0], partition="shard")])) == (
-        f"policy OpPlan #0 for {PROJ_OP}: field 'partition' got 'shard'; expected OpPartition(input, dim), "
-        "'auto' or None")
+        f"OpPlan for {PROJ_OP}: field 'partition' got 'shard'; expected OpPartition(input, dim), 'auto' or None")
 
 
 def test_partition_dim_out_of_range(error):
@@ -181,8 +180,7 @@ def test_layer_index_helpers():
 
 def test_partition_with_non_integer_fields(error):
     assert error(policy=_policy(lambda nodes: [OpPlan(nodes[0], partition=OpPartition("0", 1))])) == (
-        f"policy OpPlan #0 for {PROJ_OP}: field 'partition' got OpPartition(input='0', dim=1); expected "
-        "OpPartition with integer input and dim")
+        "OpPartition('0', 1): field 'input' got '0'; expected an integer input index")
 
 
 def test_constraint_objects_of_wrong_type(error):
