@@ -222,10 +222,13 @@ def _install_spec(
     torch_kind = _compat.torch_strategy_kind(op)
     if torch_kind in _compat.DIRECT_STRATEGY_KINDS and not _wants_upgrade(spec, upgrade):
         return RegistryEntry(spec.op_name, spec.family, "skipped", torch_kind, spec.where), None
+    needs = None
     if spec.local_scalars is not None and not _compat.can_adjust_scalars():
-        entry = RegistryEntry(spec.op_name, spec.family, NEEDS_NEWER_TORCH, torch_kind, spec.where,
-                              needs=_compat.SCALAR_ADJUSTERS)
-        return entry, None
+        needs = _compat.SCALAR_ADJUSTERS
+    elif _compat.takes_optional_tensor_list(op) and not _compat.expands_optional_tensor_lists():
+        needs = _compat.OPTIONAL_TENSOR_LISTS
+    if needs is not None:
+        return RegistryEntry(spec.op_name, spec.family, NEEDS_NEWER_TORCH, torch_kind, spec.where, needs=needs), None
     previous[op] = _compat.snapshot_registration(op)
     _compat.restore_registration(op, {})  # a single-dim entry must not sit beside a stale op_strategy
     _compat.register_single_dim(

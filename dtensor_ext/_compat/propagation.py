@@ -154,6 +154,18 @@ class TorchLacks(NotImplementedError):
 
 
 SCALAR_ADJUSTERS = "torch >= 2.13 (per-rank scalar-argument adjusters)"
+OPTIONAL_TENSOR_LISTS = "torch >= 2.12 (expanding single-dim rules over tensor lists holding None, such as indices)"
+
+
+def expands_optional_tensor_lists() -> bool:
+    """Whether torch's N-D expansion of single-dim rules counts the tensors of a list argument that may hold None
+    (`Tensor?[] indices`); 2.11 counts only whole-argument strategies, and such a rule then fails to expand."""
+    probe = OpSchema(torch.ops.aten.index.Tensor, (OpStrategy([]), [None, OpStrategy([])]), {})
+    return _sds._get_num_tensor_inputs(probe) == 2
+
+
+def takes_optional_tensor_list(op: OpOverload) -> bool:
+    return any(str(a.type) == "List[Optional[Tensor]]" for a in op._schema.arguments)
 
 
 def can_adjust_scalars() -> bool:
