@@ -236,7 +236,8 @@ def test_even_only_rule_with_a_tensor_list_argument_runs():
     if not _compat.expands_optional_tensor_lists():  # 2.11: the rule is left out, and the registry says why
         entry = {e.op: e for e in dtensor_ext.registry()}["aten::_unsafe_masked_index.default"]
         assert (entry.status, entry.needs) == ("needs newer torch", _compat.OPTIONAL_TENSOR_LISTS)
-        assert _compat.torch_strategy_kind(torch.ops.aten._unsafe_masked_index.default) not in _compat.DIRECT_STRATEGY_KINDS
+        kind = _compat.torch_strategy_kind(torch.ops.aten._unsafe_masked_index.default)
+        assert kind not in _compat.DIRECT_STRATEGY_KINDS
         return
     with simulated_mesh((4,)) as mesh:
         out = torch.ops.aten._unsafe_masked_index(
