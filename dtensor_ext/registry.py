@@ -171,20 +171,23 @@ def install(
         if op is not None:
             registered[op] = spec
 
-    _compat.auto_register_variants()
-    for op in set(prop.op_single_dim_strategy_funcs) - before - set(registered):
-        previous[op] = {}
-        base = _variant_base(op, registered)
-        entries.append(
-            RegistryEntry(
-                _op_name(op),
-                base.family if base else "variant",
-                "added",
-                None,
-                base.where if base else "torch autogen",
-                variant_of=base.op_name if base else None,
+    if _compat.can_derive_variants():
+        _compat.auto_register_variants()
+        for op in set(prop.op_single_dim_strategy_funcs) - before - set(registered):
+            previous[op] = {}
+            base = _variant_base(op, registered)
+            entries.append(
+                RegistryEntry(
+                    _op_name(op),
+                    base.family if base else "variant",
+                    "added",
+                    None,
+                    base.where if base else "torch autogen",
+                    variant_of=base.op_name if base else None,
+                )
             )
-        )
+    else:
+        entries.extend(_variants_left_out(registered))
     for op in previous:  # after torch derived the variants, which inherit their base rule's evenness
         spec = registered.get(op) or _variant_base(op, registered)
         if spec is not None and not spec.allow_uneven_sharding:
@@ -193,6 +196,19 @@ def install(
     undo_fixes = _apply_torch_fixes(entries) if fix_torch else []
     _state = _Installed(entries, previous, ours, _freeze(upgrade), fix_torch, undo_fixes)
     _compat.clear_sharding_caches()
+    return entries
+
+
+def _variants_left_out(registered: dict[OpOverload, RuleSpec]) -> list[RegistryEntry]:
+    """On a torch that derives no variants of single-dim rules: the in-place and out= overloads of the ops we
+    registered that torch does not shard itself and no rule declares, each reported as needing a torch that does."""
+    entries = []
+    for op, spec in registered.items():
+        for variant in _compat.named_variants(op):
+            kind = _compat.torch_strategy_kind(variant)
+            if kind not in _compat.DIRECT_STRATEGY_KINDS and _op_name(variant) not in _SPECS:
+                entries.append(RegistryEntry(_op_name(variant), spec.family, NEEDS_NEWER_TORCH, kind, spec.where,
+                                             variant_of=spec.op_name, needs=_compat.VARIANT_DERIVATION))
     return entries
 
 
@@ -206,10 +222,13 @@ def _install_spec(
     torch_kind = _compat.torch_strategy_kind(op)
     if torch_kind in _compat.DIRECT_STRATEGY_KINDS and not _wants_upgrade(spec, upgrade):
         return RegistryEntry(spec.op_name, spec.family, "skipped", torch_kind, spec.where), None
+    needs = None
     if spec.local_scalars is not None and not _compat.can_adjust_scalars():
-        entry = RegistryEntry(spec.op_name, spec.family, NEEDS_NEWER_TORCH, torch_kind, spec.where,
-                              needs=_compat.SCALAR_ADJUSTERS)
-        return entry, None
+        needs = _compat.SCALAR_ADJUSTERS
+    elif _compat.takes_optional_tensor_list(op) and not _compat.expands_optional_tensor_lists():
+        needs = _compat.OPTIONAL_TENSOR_LISTS
+    if needs is not None:
+        return RegistryEntry(spec.op_name, spec.family, NEEDS_NEWER_TORCH, torch_kind, spec.where, needs=needs), None
     previous[op] = _compat.snapshot_registration(op)
     _compat.restore_registration(op, {})  # a single-dim entry must not sit beside a stale op_strategy
     _compat.register_single_dim(
@@ -330,7 +349,11 @@ def _torch_kind_of(spec: RuleSpec) -> str | None:
 
 
 def _variant_base(op: OpOverload, registered: dict[OpOverload, RuleSpec]) -> RuleSpec | None:
-    """Map an autogen variant (mv.out, addmv_) back to the rule it was derived from."""
+    """Map an autogen variant (mv.out, addmv_) back to the rule it was derived from: the one it is named after
+    (scatter_.value_reduce comes from scatter.value_reduce, not scatter.reduce), else one of the same op name."""
+    for base, spec in registered.items():
+        if op in _compat.named_variants(base):
+            return spec
     name = op._schema.name.removesuffix("_")
     for base, spec in registered.items():
         if base._schema.name == name:

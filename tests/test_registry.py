@@ -32,10 +32,44 @@ def test_import_installs_matmul_family_as_added():
 
 
 def test_variants_are_derived_and_attributed():
+    """A torch that derives in-place/out= variants of single-dim rules gets them registered and attributed; an older
+    one leaves them without a strategy, and the registry says each needs a newer torch."""
     entries = {e.op: e for e in dtensor_ext.registry()}
     assert entries["aten::addmv_.default"].variant_of == "aten::addmv.default"
     assert entries["aten::mv.out"].variant_of == "aten::mv.default"
-    assert aten.mv.out in _compat.propagator().op_single_dim_strategy_funcs
+    if _compat.can_derive_variants():
+        assert entries["aten::mv.out"].status == "added"
+        assert aten.mv.out in _compat.propagator().op_single_dim_strategy_funcs
+    else:
+        for name in ("aten::addmv_.default", "aten::mv.out"):
+            assert entries[name].status == "needs newer torch"
+            assert entries[name].needs == _compat.VARIANT_DERIVATION
+        assert _compat.torch_strategy_kind(aten.mv.out) not in _compat.DIRECT_STRATEGY_KINDS
+        with pytest.raises(_compat.TorchLacks, match="in-place and out= variants"):
+            _compat.auto_register_variants()
+
+
+def test_named_variants_are_the_ones_torch_derives():
+    """The in-place/out= overloads found by ATen's naming for each rule we registered are exactly what the registry
+    lists as its variants: derived by torch where it derives them (so the naming is checked against torch's own
+    discovery there), left out with what they need elsewhere."""
+    entries = dtensor_ext.registry()
+    by_name = {e.op: e for e in entries}
+    registered = [e for e in entries if e.status in ("added", "upgraded") and e.op in declared_rules()]
+    expected_status = "added" if _compat.can_derive_variants() else "needs newer torch"
+    checked = 0
+    for entry in registered:
+        op = declared_rules()[entry.op].resolve()
+        for variant in _compat.named_variants(op):
+            name = f"{variant._schema.name}.{variant._overloadname}"
+            if name in declared_rules():
+                continue
+            if name in by_name:
+                assert by_name[name].variant_of == entry.op and by_name[name].status == expected_status, by_name[name]
+                checked += 1
+            else:  # torch shards it itself, so nothing was derived or left out
+                assert _compat.torch_strategy_kind(variant) in _compat.DIRECT_STRATEGY_KINDS, name
+    assert checked > 10
 
 
 def test_uninstall_restores_torch_exactly_and_install_puts_back():
@@ -199,6 +233,12 @@ def test_even_only_rule_with_a_tensor_list_argument_runs():
     x, mask = torch.randn(4, 6), torch.rand(4, 3) > 0.5
     idx = torch.randint(0, 6, (4, 3))
     expected = torch.ops.aten._unsafe_masked_index(x, mask, [None, idx], 0.5)
+    if not _compat.expands_optional_tensor_lists():  # 2.11: the rule is left out, and the registry says why
+        entry = {e.op: e for e in dtensor_ext.registry()}["aten::_unsafe_masked_index.default"]
+        assert (entry.status, entry.needs) == ("needs newer torch", _compat.OPTIONAL_TENSOR_LISTS)
+        kind = _compat.torch_strategy_kind(torch.ops.aten._unsafe_masked_index.default)
+        assert kind not in _compat.DIRECT_STRATEGY_KINDS
+        return
     with simulated_mesh((4,)) as mesh:
         out = torch.ops.aten._unsafe_masked_index(
             distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(mask, mesh, [Shard(0)]),
@@ -217,9 +257,13 @@ def test_variants_of_even_only_rules_are_filtered_too():
 
     dtensor_ext.install()
     prop = _compat.propagator()
-    for op in (torch.ops.aten.im2col.default, torch.ops.aten.im2col.out):
+    derived = _compat.can_derive_variants()
+    for op in (torch.ops.aten.im2col.default, torch.ops.aten.im2col.out) if derived else (torch.ops.aten.im2col.default,):
         assert op not in prop.op_single_dim_strategy_funcs
         assert getattr(prop.op_strategy_funcs[op], "single_dim_info", None) is not None
+    if not derived:  # no out= variant to filter on this torch: it has no strategy at all, and says so
+        assert torch.ops.aten.im2col.out not in prop.op_strategy_funcs
+        assert {e.op: e for e in dtensor_ext.registry()}["aten::im2col.out"].status == "needs newer torch"
     args = ([2, 2], [1, 1], [0, 0], [1, 1])
     x = torch.randn(4, 4, 5, 5)  # 4 samples over 4 ranks: the even batch split stays, with no collective
     expected = torch.ops.aten.im2col(x, *args)
@@ -227,7 +271,7 @@ def test_variants_of_even_only_rules_are_filtered_too():
         out = distribute_tensor(torch.empty_like(expected), mesh, [Shard(0)])
         dx = distribute_tensor(x, mesh, [Shard(0)])
         with CommDebugMode() as comms:
-            got = torch.ops.aten.im2col.out(dx, *args, out=out)
+            got = torch.ops.aten.im2col.out(dx, *args, out=out) if derived else torch.ops.aten.im2col(dx, *args)
         assert got.placements == (Shard(0),)
         assert comms.get_total_counts() == 0
         torch.testing.assert_close(got.full_tensor(), expected)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
@@ -153,6 +154,18 @@ class TorchLacks(NotImplementedError):
 
 
 SCALAR_ADJUSTERS = "torch >= 2.13 (per-rank scalar-argument adjusters)"
+OPTIONAL_TENSOR_LISTS = "torch >= 2.12 (expanding single-dim rules over tensor lists holding None, such as indices)"
+
+
+def expands_optional_tensor_lists() -> bool:
+    """Whether torch's N-D expansion of single-dim rules counts the tensors of a list argument that may hold None
+    (`Tensor?[] indices`); 2.11 counts only whole-argument strategies, and such a rule then fails to expand."""
+    probe = OpSchema(torch.ops.aten.index.Tensor, (OpStrategy([]), [None, OpStrategy([])]), {})
+    return _sds._get_num_tensor_inputs(probe) == 2
+
+
+def takes_optional_tensor_list(op: OpOverload) -> bool:
+    return any(str(a.type) == "List[Optional[Tensor]]" for a in op._schema.arguments)
 
 
 def can_adjust_scalars() -> bool:
@@ -179,14 +192,35 @@ def register_scalar_adjuster(op: OpOverload, local_scalars: Callable) -> None:
     prop.op_to_scalar_shape_adjuster[op] = adjust
 
 
-def auto_register_variants() -> bool:
-    """Derive in-place/out/functional variants of single-dim rules, where this torch can (2.12+)."""
-    try:
-        from torch.distributed.tensor._ops.autogen import auto_register_op_variants
-    except ImportError:
-        return False
+VARIANT_DERIVATION = "torch >= 2.13 (in-place and out= variants derived from single-dim rules)"
+
+
+def can_derive_variants() -> bool:
+    """Whether DTensor derives the in-place/out/functional variants of single-dim rules (a module 2.13 added)."""
+    return importlib.util.find_spec("torch.distributed.tensor._ops.autogen") is not None
+
+
+def auto_register_variants() -> None:
+    """Derive in-place/out/functional variants of the single-dim rules registered now; skips registered ops."""
+    if not can_derive_variants():
+        raise TorchLacks("deriving variants of single-dim rules", VARIANT_DERIVATION)
+    from torch.distributed.tensor._ops.autogen import auto_register_op_variants
+
     auto_register_op_variants()
-    return True
+
+
+def named_variants(op: OpOverload) -> list[OpOverload]:
+    """`op`'s in-place and out= overloads by ATen's naming (addmv_.default, mv.out, scatter.value_reduce_out) that
+    take the same arguments besides the out= ones: what a torch that derives variants would give `op`'s rule to."""
+    namespace, _, name = op._schema.name.partition("::")
+    overload = op._overloadname
+    inplace = getattr(getattr(getattr(torch.ops, namespace), f"{name}_", None), overload, None)
+    out = getattr(op.overloadpacket, "out" if overload == "default" else f"{overload}_out", None)
+    arg_names = [a.name for a in op._schema.arguments]
+    return [
+        v for v in (inplace, out)
+        if v is not None and v._schema.is_mutable and [a.name for a in v._schema.arguments if not a.is_out] == arg_names
+    ]
 
 
 def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str, Any], placements) -> set[tuple]:

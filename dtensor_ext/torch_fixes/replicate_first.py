@@ -26,7 +26,7 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate, Shard, StridedShard
-from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes import applied_to, torch_fix
 from dtensor_ext.torch_fixes.strategy_swap import expand_single_dim, single_dim_as_op_strategy, wrap_strategies
 
 aten = torch.ops.aten
@@ -87,10 +87,12 @@ def _torch_fails_on_sharded_broadcast_dim() -> bool:
     why="torch's view propagation raises a bare KeyError (RuntimeError: <dim>) instead of replicating the dim",
 )
 def fix_expand_broadcast():
-    ops = (aten.expand.default, aten.expand_copy.default)
-    if not _torch_fails_on_sharded_broadcast_dim() or any(_compat.op_strategy_func(op) is None for op in ops):
+    # torch 2.11 has no strategy of its own for expand_copy: it decomposes into expand, which this fix covers
+    ops = [op for op in (aten.expand.default, aten.expand_copy.default) if _compat.op_strategy_func(op) is not None]
+    if not _torch_fails_on_sharded_broadcast_dim() or not ops:
         return None
-    return wrap_strategies(ops, lambda torch_strategy: replicating_first(torch_strategy, broadcast_dims))
+    undo = wrap_strategies(ops, lambda torch_strategy: replicating_first(torch_strategy, broadcast_dims))
+    return applied_to(ops, undo)
 
 
 def unbind_dim(op_schema: OpSchema) -> set[int]:

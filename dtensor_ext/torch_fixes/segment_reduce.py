@@ -47,6 +47,14 @@ def _as_dtensor(name: str, value: object) -> DTensor:
     raise TypeError(f"segment_reduce: {name}= must be a tensor, got {type(value).__name__}")
 
 
+def _moved_local(t: DTensor, placements: list) -> torch.Tensor:
+    """`t`'s local tensor moved to `placements` the way DTensor's dispatch moves inputs (a handler runs below
+    autograd: `DTensor.redistribute` there is an autograd function, which torch 2.11 follows with an in-place detach
+    that has no strategy)."""
+    target = DTensorSpec(t.device_mesh, tuple(placements), tensor_meta=t._spec.tensor_meta)
+    return _compat.dispatch_redistributor()(t._local_tensor, t._spec, target)
+
+
 def _segment_handler(data_args: int):
     """Handler for an op whose first `data_args` positional tensors are laid out like the data (the backward's
     grad and output too: they differ from the data on the axis only)."""
@@ -59,12 +67,11 @@ def _segment_handler(data_args: int):
         axis = kwargs.get("axis", 0) % data.ndim
         mesh = data.device_mesh
         data_placements, boundary_placements = _placements_for(data, axis)
-        local_args = [t.redistribute(mesh, data_placements).to_local() for t in tensors]
+        local_args = [_moved_local(t, data_placements) for t in tensors]
         local_kwargs = dict(kwargs)
         for name in _BOUNDARIES:
             if kwargs.get(name) is not None:
-                boundary = _as_dtensor(name, kwargs[name])
-                local_kwargs[name] = boundary.redistribute(mesh, boundary_placements).to_local()
+                local_kwargs[name] = _moved_local(_as_dtensor(name, kwargs[name]), boundary_placements)
         local = op_call(*local_args, *rest, **local_kwargs)
         shape = list(data.shape)
         shape[axis] = local.shape[axis]  # the number of segments (the backward: the data's own axis length)

@@ -41,8 +41,12 @@ def test_identity_view_of_a_sharded_empty_dim_fails_in_torch_and_keeps_placement
             x_d = place_dtensor(x, mesh, list(placements))
             if fix_state == "torch only" and refused:
                 if Shard(0) in placements:
-                    with pytest.raises(RuntimeError, match="remove or reshape sharded dimension 0"):
-                        view(x_d)
+                    try:
+                        out = view(x_d)
+                    except RuntimeError as refusal:
+                        assert "remove or reshape sharded dimension 0" in str(refusal)
+                    else:  # 2.11 runs reshape through another path, which replicates the empty tensor
+                        assert name == "reshape" and Shard(0) not in out.placements and _is(out, view(x))
                 continue
             with CommDebugMode() as comms:
                 out = view(x_d)

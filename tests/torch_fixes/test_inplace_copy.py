@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+from dtensor_ext._compat import shard_to_partial_sum_supported
 from dtensor_ext.testing import sample_tensor, simulated_mesh
 from dtensor_ext.testing.mesh import place_dtensor
 
@@ -32,8 +33,8 @@ def copy_runs(shape, mesh_shape):
             try:
                 with CommDebugMode() as comms:
                     dst.copy_(place_dtensor(src, mesh, pt))
-            except RuntimeError as e:
-                results[str(ps), str(pt)] = str(e)
+            except (RuntimeError, AssertionError) as e:  # 2.11's simulated ranks assert where pieces differ
+                results[str(ps), str(pt)] = f"{type(e).__name__}: {e}"
                 continue
             assert agrees(dst, src), (ps, pt)
             results[str(ps), str(pt)] = (dst.placements, comms.get_comm_counts())
@@ -51,7 +52,14 @@ def test_copy_into_empty_shards(fixed_ops, torch_only, mesh_shape):
     nested_from_partial |= {k for k in refused if "Shard(dim=1), Shard(dim=1)" in k[0] and "Partial" in k[1]}
     if "aten::copy_.default" not in fixed_ops["in-place copy into a layout with an empty shard"]:
         assert fix_status("aten::copy_.default") == "not needed"
-        assert not [k for k, r in refused.items() if isinstance(r, str) and k not in nested_from_partial]
+        # where torch cannot move Shard -> Partial(sum) itself (2.11 picks that move for a Partial self), another
+        # fix ("Shard -> Partial redistribution refused") makes it, so those pairs run once installed
+        shard_to_partial = {k for k, r in refused.items() if isinstance(r, str) and "to P(sum) not supported yet" in r}
+        assert not shard_to_partial or not shard_to_partial_sum_supported()
+        assert not [k for k, r in refused.items()
+                    if isinstance(r, str) and k not in nested_from_partial | shard_to_partial]
+        fixed = copy_runs(SMALL, mesh_shape)
+        assert not [k for k, r in fixed.items() if isinstance(r, str) and k not in nested_from_partial]
         return
     fixed = copy_runs(SMALL, mesh_shape)
     assert any(isinstance(r, str) for r in refused.values())
