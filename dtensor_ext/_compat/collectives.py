@@ -56,12 +56,3 @@ def mesh_coordinates_by_rank(mesh) -> dict[int, tuple[int, ...]]:
         return values[rank] if values is not None else node.maybe_as_int()  # the same on every rank
 
     return {rank: tuple(on(c, rank) for c in coordinate) for rank in sorted(mode.ranks)}
-
-
-def flattened_mesh(mesh, mesh_dims: tuple[int, ...]):
-    """A 1-D mesh over `mesh_dims` of `mesh` (row-major), reusing one DeviceMesh._flatten made before; None where the
-    mesh has no dim names (torch cannot flatten it)."""
-    if mesh.mesh_dim_names is None:
-        return None
-    names = tuple(mesh.mesh_dim_names[d] for d in mesh_dims)
-    return mesh[names]._flatten("_".join(("dtensor_ext", *names)))

@@ -73,8 +73,8 @@ def test_planner_engine_matches_dtensor_forward_and_backward(request):
 
 def test_install_routes_explicit_redistribute_full_tensor_and_dispatch_and_uninstall_restores_torch(monkeypatch):
     ran = []
-    execute_local = engine.execute_local
-    monkeypatch.setattr(engine, "execute_local", lambda local, mesh, plan, choices: ran.append(plan) or execute_local(local, mesh, plan, choices))
+    run = engine.Program.run
+    monkeypatch.setattr(engine.Program, "run", lambda self, local: ran.append(self.plan) or run(self, local))
     t = torch.randn(64, 48)
     dtensor_ext.install(planner=True)
     try:
@@ -88,8 +88,10 @@ def test_install_routes_explicit_redistribute_full_tensor_and_dispatch_and_unins
     finally:
         dtensor_ext.uninstall()
     moves = [(p.src, p.dst) for p in ran]
-    assert moves[:2] == [(P("S0,S0,S0"), P("S1,S1,S1")), (P("S1,S1,S1"), P("R,R,R"))]
-    assert {P("S0,S0,S0"), P("S1,S1,S1")} == set(moves[2])
+    # full_tensor's gathers tie with torch's in bytes and modelled time: torch runs them, so only the transposes
+    # (explicit, then dispatch) are the planner's
+    assert len(moves) == 2 and moves[0] == (P("S0,S0,S0"), P("S1,S1,S1"))
+    assert {P("S0,S0,S0"), P("S1,S1,S1")} == set(moves[1])
     assert ran[0] == plan((64, 48), (2, 2, 2), P("S0,S0,S0"), P("S1,S1,S1"), objective="bytes")  # the planner's plan
     try:
         assert not engine.is_enabled()
