@@ -55,7 +55,7 @@ from dtensor_ext._compat.dispatch import (  # noqa: F401
     tracing_for_compile, wrap_local_results,
 )
 from dtensor_ext._compat.collectives import (  # noqa: F401
-    default_store, flat_collectives, group_size, mesh_coordinates_by_rank, process_group_of,
+    default_store, flat_collectives, group_size, mesh_description, mesh_coordinates_by_rank, process_group_of,
 )
 from dtensor_ext._compat.compile import (  # noqa: F401
     fake_mode_of, inductor_custom_pass_api, inductor_joint_pass_slot, size_hint,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from dtensor_ext._compat.testing import enabled_local_tensor_mode
@@ -56,3 +57,25 @@ def mesh_coordinates_by_rank(mesh) -> dict[int, tuple[int, ...]]:
         return values[rank] if values is not None else node.maybe_as_int()  # the same on every rank
 
     return {rank: tuple(on(c, rank) for c in coordinate) for rank in sorted(mode.ranks)}
+
+
+@contextlib.contextmanager
+def mesh_description(mesh_shape: tuple[int, ...]):
+    """A DeviceMesh of ranks 0..n-1 in row-major order with no process groups of its own, for reading torch's
+    redistribution planner (which wants a mesh, never runs a collective on it); where no process group exists, a
+    'fake' one stands in for the duration."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = math.prod(mesh_shape)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", rank=0, world_size=world)
+    try:
+        yield DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape), _init_backend=False)
+    finally:
+        if owned:
+            dist.destroy_process_group()
