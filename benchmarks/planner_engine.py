@@ -2,13 +2,13 @@
 CPU per call of a cached move, and cold planning time on 5-D meshes.
 
     PYTHONPATH=. python benchmarks/planner_engine.py              # 8 gloo ranks, then the planning-time table
-    PYTHONPATH=. python benchmarks/planner_engine.py --ranks 4
+    PYTHONPATH=. python benchmarks/planner_engine.py --ranks 2 --parts cpu   # CPU per call only
 
 Bytes: what the busiest rank received, counted from the functional collectives that ran (an all_gather's output
 less its input, an all_to_all's output less the piece a rank keeps). Wall time: the slowest rank's time of one
 move, median of 5 after 2 warm-ups, best of three such medians, DTensor and planner interleaved so machine load
 hits both alike. CPU: main-thread CPU seconds per call of a small cached move (the engine's overhead over torch's),
-best of three runs of 200 calls, interleaved. Ratios are planner / DTensor, measured in the same run.
+best of three runs of 500 calls, interleaved. Ratios are planner / DTensor, measured in the same run.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ MOVES = [
     ((2, 2, 2), (1000, 1000), "S0,S0,S0", "S1,S1,S1"),  # uneven
 ]
 ROUND_TRIP = ((4, 2), (1024, 1024), "S0,S1", "R,S1")  # FSDP+TP: gather the dp dim for the forward, back after
-CPU_MOVES = [
-    ((8,), (16, 8), "P(sum)", "S0"),
-    ((8,), (16, 8), "S0", "R"),
-    ((8,), (16, 8), "S0", "S1"),
+CPU_MOVES = [  # mesh None: every rank of the job on one mesh dim
+    (None, (16, 8), "P(sum)", "S0"),
+    (None, (16, 8), "S0", "R"),
+    (None, (16, 8), "S0", "S1"),
     ((4, 2), (16, 8), "S0,S0", "S1,S1"),
 ]
 
@@ -79,7 +79,7 @@ def _wall(fn, runs: int = 5, warmup: int = 2) -> float:
     return statistics.median(samples)
 
 
-def _cpu(fn, calls: int = 200) -> float:
+def _cpu(fn, calls: int = 500) -> float:
     import torch.distributed as dist
 
     fn()
@@ -126,7 +126,7 @@ def _best(fn, who: str, times: dict, engine) -> None:
         engine.disable()
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker(rank: int, world: int, port: int, parts: tuple[str, ...]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor, DTensor
@@ -151,8 +151,8 @@ def _worker(rank: int, world: int, port: int) -> None:
         print(f"{world} gloo ranks; DTensor | planner | planner/DTensor")
         print(f"{'mesh':<10}{'shape':<16}{'src -> dst':<28}{'collectives':>13}{'recv KiB (busiest)':>30}"
               f"{'wall ms':>30}")
-    moves = [m for m in MOVES if math.prod(m[0]) == world]
-    for mesh_shape, shape, src, dst in [*moves, ROUND_TRIP]:
+    moves = [m for m in [*MOVES, ROUND_TRIP] if math.prod(m[0]) == world and "moves" in parts]
+    for mesh_shape, shape, src, dst in moves:
         mesh = init_device_mesh("cpu", mesh_shape)
         x = tensor(mesh, shape, src)
         target = parse_placements(dst)
@@ -176,7 +176,8 @@ def _worker(rank: int, world: int, port: int) -> None:
                   f"{w0 * 1e3:>12.2f} {w1 * 1e3:>8.2f} x{w1 / w0:<6.2f}")
     if rank == 0:
         print("\nCPU per call of a cached small move (us, main thread, slowest rank)")
-    for mesh_shape, shape, src, dst in [m for m in CPU_MOVES if math.prod(m[0]) == world]:
+    cpu_moves = [(m or (world,), *rest) for m, *rest in CPU_MOVES if math.prod(m or (world,)) == world]
+    for mesh_shape, shape, src, dst in cpu_moves if "cpu" in parts else []:
         mesh = init_device_mesh("cpu", mesh_shape)
         x = tensor(mesh, shape, src)
         target = parse_placements(dst)
@@ -217,11 +218,15 @@ def _timed(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=8, help="gloo ranks (default 8)")
+    parser.add_argument("--parts", default="moves,cpu,planning", help="some of moves,cpu,planning (default all)")
     args = parser.parse_args()
+    parts = tuple(args.parts.split(","))
     import torch.multiprocessing as mp
 
-    mp.start_processes(_worker, args=(args.ranks, _free_port()), nprocs=args.ranks, start_method="spawn")
-    planning_times()
+    if {"moves", "cpu"} & set(parts):
+        mp.start_processes(_worker, args=(args.ranks, _free_port(), parts), nprocs=args.ranks, start_method="spawn")
+    if "planning" in parts:
+        planning_times()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from dtensor_ext._compat import (
 from dtensor_ext.redistribute.choices import Choices, calibration_for
 from dtensor_ext.redistribute.cost import IdealCostModel
 from dtensor_ext.redistribute.placements import is_shard
-from dtensor_ext.redistribute.layout import Layout, coordinates
+from dtensor_ext.redistribute.layout import Layout, coordinates, layout_of
 from dtensor_ext.redistribute.plan import Plan, Step, Transfer
 from dtensor_ext.redistribute.steps import StepBuilder, replace_placement
 
@@ -52,6 +52,7 @@ class _Ranks:
         self.mesh, self.mesh_shape = mesh, tuple(mesh_shape)
         self.index = {r: _row_major(c, mesh_shape) for r, c in coords.items()}
         self.coords = coordinates(mesh_shape)
+        self._groups: dict = {}
 
     def per_rank(self, fn, *tensors):
         """fn(mesh index, *that rank's tensors) on every simulated rank, or on this process's rank."""
@@ -72,7 +73,13 @@ class _Ranks:
         return {r: values_by_index(i) for r, i in self.index.items()}
 
     def group(self, mesh_dims: tuple[int, ...]):
-        """(process group argument, members of `index`'s group in group order) for a step over `mesh_dims`."""
+        """(process group argument, members of `index`'s group in group order) for a step over `mesh_dims`, worked
+        out once per mesh dims (reading the mesh's rank tensor costs more than the rest of a small move)."""
+        if mesh_dims not in self._groups:
+            self._groups[mesh_dims] = self._group(mesh_dims)
+        return self._groups[mesh_dims]
+
+    def _group(self, mesh_dims: tuple[int, ...]):
         group = (self.mesh, mesh_dims[0]) if len(mesh_dims) == 1 else _flat_group(self.mesh, mesh_dims, self.simulated)
         if not self.simulated:
             # c10d numbers a group's ranks in global rank order, which differs from mesh coordinate order on
@@ -380,7 +387,7 @@ class Program:
         self.ranks = _Ranks(mesh, plan.mesh_shape)
         self.steps = []
         for step in plan.steps:
-            before, after = Layout(plan.shape, plan.mesh_shape, step.before), Layout(plan.shape, plan.mesh_shape, step.after)
+            before, after = layout_of(plan.shape, plan.mesh_shape, step.before), layout_of(plan.shape, plan.mesh_shape, step.after)
             self.steps.append((step, before, after, _gathers_whole_blocks(self.ranks, step, before)))
 
     def run(self, local: torch.Tensor) -> torch.Tensor:

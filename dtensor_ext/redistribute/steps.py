@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from dtensor_ext._compat import Partial, Placement, Replicate, Shard
-from dtensor_ext.redistribute.layout import Layout, coordinates, count, intersect, split_block
+from dtensor_ext.redistribute.layout import Layout, coordinates, count, intersect, layout_of, split_block
 from dtensor_ext.redistribute.placements import is_shard
 from dtensor_ext.redistribute.plan import Merge, Step, Transfer
 
@@ -41,7 +41,7 @@ class StepBuilder:
 
     def _layout(self, placements) -> Layout:
         self.work += self.world
-        return Layout(self.shape, self.mesh_shape, placements)
+        return layout_of(self.shape, self.mesh_shape, placements)
 
     def buffer_bytes(self, placements) -> int:
         return self.layout(placements).max_local_numel * self.itemsize
