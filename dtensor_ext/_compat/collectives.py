@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from dtensor_ext._compat.testing import enabled_local_tensor_mode
@@ -58,10 +59,23 @@ def mesh_coordinates_by_rank(mesh) -> dict[int, tuple[int, ...]]:
     return {rank: tuple(on(c, rank) for c in coordinate) for rank in sorted(mode.ranks)}
 
 
-def flattened_mesh(mesh, mesh_dims: tuple[int, ...]):
-    """A 1-D mesh over `mesh_dims` of `mesh` (row-major), reusing one DeviceMesh._flatten made before; None where the
-    mesh has no dim names (torch cannot flatten it)."""
-    if mesh.mesh_dim_names is None:
-        return None
-    names = tuple(mesh.mesh_dim_names[d] for d in mesh_dims)
-    return mesh[names]._flatten("_".join(("dtensor_ext", *names)))
+@contextlib.contextmanager
+def mesh_description(mesh_shape: tuple[int, ...]):
+    """A DeviceMesh of ranks 0..n-1 in row-major order with no process groups of its own, for reading torch's
+    redistribution planner (which wants a mesh, never runs a collective on it); where no process group exists, a
+    'fake' one stands in for the duration."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = math.prod(mesh_shape)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", rank=0, world_size=world)
+    try:
+        yield DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape), _init_backend=False)
+    finally:
+        if owned:
+            dist.destroy_process_group()

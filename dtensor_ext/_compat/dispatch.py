@@ -77,6 +77,30 @@ def redistribution_steps(source: Any, target: Any) -> list[tuple[int, Any, Any]]
     return [(step.mesh_dim, *step.src_dst_placements) for step in _gen_transform_infos(source, target)]
 
 
+def redistribution_transforms(source: Any, target: Any) -> list[tuple[tuple[int, ...], Any, Any]]:
+    """(mesh dims, from, to) for each collective or local step DTensor runs moving a tensor from spec `source` to
+    spec `target`: torch's cached plan, with consecutive steps merged onto a flattened mesh where this torch merges
+    them (a merged step names every mesh dim it spans)."""
+    from torch.distributed.tensor import _redistribute
+
+    steps = _redistribute._gen_transform_infos(source, target)
+    optimize = getattr(_redistribute, "_optimize_transform_infos", None)
+    if optimize is not None:
+        steps = optimize(steps, source.mesh, source.placements, target.placements)
+    return [
+        (tuple(getattr(step, "original_mesh_dims", (step.mesh_dim,))), *step.src_dst_placements) for step in steps
+    ]
+
+
+def shard_to_shard_gathers(mesh) -> bool:
+    """Whether DTensor moves Shard(i) -> Shard(j) by gathering the whole mesh dim and keeping a chunk (torch's
+    `shard_dim_alltoall` does so on CPU meshes of real processes, where it takes gloo to lack all_to_all), rather
+    than with one all_to_all."""
+    from torch.distributed.tensor import _collective_utils
+
+    return mesh.device_type == "cpu" and _collective_utils.local_tensor_mode() is None
+
+
 def wrap_local_results(local_results: object, output_spec: Any) -> object:
     return DTensor._op_dispatcher.wrap(local_results, output_spec)
 

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from dtensor_ext.redistribute.lower_bound import lower_bound
-from dtensor_ext.redistribute.measure import DTensorRedistributeFailed
+from dtensor_ext.redistribute.dtensor_plan import DTensorRedistributeFailed
 from dtensor_ext.redistribute.plan import format_bytes
 from dtensor_ext.redistribute.placements import parse_ints, parse_placements
 from dtensor_ext.redistribute.picture import plan_svg
@@ -66,6 +66,11 @@ def report(args: argparse.Namespace) -> str:
             lines += [f"{name} plan: none, {_one_line(exc)}", ""]
             continue
         lines.append(str(chosen))
+        if name == "dtensor":
+            lines.append(
+                "  (torch's own planner, read without running: its steps as real CPU/gloo ranks run them, where "
+                "Shard(i) -> Shard(j) gathers the mesh dim; on NCCL that step is one all_to_all)"
+            )
         if args.svg and name != "dtensor":  # torch's steps are recorded collectives, not layouts
             path = f"{args.svg}-{name}.svg"
             with open(path, "w") as f:

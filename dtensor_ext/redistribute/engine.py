@@ -2,11 +2,13 @@
 
 DTensor moves local tensors through one function, `redistribute_local_tensor`, which its explicit redistribute,
 the redistribution dispatch does before an op, `full_tensor()` and the backward of all of them call by name. We
-put the planner's executor in its place, so DTensor's autograd (gradient placements, Partial gradients kept
-Partial) stays exactly as it is and only the collectives change. Requests the planner does not take (a change of
-mesh, `Shard -> Partial`, tracing for torch.compile, a rank outside the mesh) go to the function we replaced.
+put a chooser in its place, so DTensor's autograd (gradient placements, Partial gradients kept Partial) stays
+exactly as it is and only the collectives change. For each request (source and target spec) it decides once, and
+remembers: the planner's plan runs only where it is strictly better than what torch runs for the same move (fewer
+bytes received on the busiest rank, or as many bytes in less modelled time), priced from torch's own plan (see
+dtensor_plan); otherwise, and for the requests the planner does not take (a change of mesh, `Shard -> Partial`,
+tracing for torch.compile, a rank outside the mesh), torch's function runs, with torch's collectives.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -14,13 +16,21 @@ import functools
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Partial, Replicate
-from dtensor_ext.redistribute.executor import execute_local, plan_for
+from dtensor_ext._compat import enabled_local_tensor_mode
+from dtensor_ext.redistribute.choices import calibration_for
+from dtensor_ext.redistribute.cost import IdealCostModel
+from dtensor_ext.redistribute.dtensor_plan import dtensor_steps
+from dtensor_ext.redistribute.executor import Program, plan_for
 from dtensor_ext.redistribute.placements import PARTIAL_OPS, is_shard
+from dtensor_ext.redistribute.plan import Plan
+from dtensor_ext.redistribute.steps import StepBuilder
 
 __all__ = ["enable", "disable", "is_enabled", "torch_redistribution"]
 
 _replaced: dict[str, object] = {}  # module name -> the function it called before enable()
 _options: dict = {}
+# (source spec, target spec, simulated ranks) -> (mesh, the Program that runs the move or None where torch runs it)
+_decisions: dict = {}
 
 
 def enable(**plan_options) -> None:
@@ -30,6 +40,7 @@ def enable(**plan_options) -> None:
     not what a user turning the planner on asks for."""
     disable()
     _options.clear()
+    _decisions.clear()
     _options.update({"objective": "bytes", **plan_options})
     for module_name, previous in _compat.redistribute_local_tensor_functions().items():
         _replaced[module_name] = previous
@@ -63,24 +74,68 @@ def _planned(previous):
     # wraps: probes that read the replaced function (its source, its name) still see torch's
     @functools.wraps(previous)
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
-        if not _takes(current_spec, target_spec):
+        if _compat.tracing_for_compile():  # torch plans differently while tracing, without its caches
             return previous(local_tensor, current_spec, target_spec, **kwargs)
-        meta = current_spec.tensor_meta
-        chosen, choices = plan_for(
-            meta.shape, current_spec.mesh, current_spec.placements, target_spec.placements, local_tensor.dtype,
-            **_options,
-        )
-        return execute_local(local_tensor, current_spec.mesh, chosen, choices)
+        key = (current_spec, target_spec, enabled_local_tensor_mode() is not None)
+        decided = _decisions.get(key)
+        # meshes compare equal by shape and ranks; a decision holds the groups of the mesh it was made on
+        if decided is None or decided[0] is not current_spec.mesh:
+            decided = _decisions[key] = (current_spec.mesh, _decide(current_spec, target_spec))
+        program = decided[1]
+        if program is None:
+            return previous(local_tensor, current_spec, target_spec, **kwargs)
+        return program.run(local_tensor)
 
     redistribute_local_tensor.replaced = previous
     return redistribute_local_tensor
+
+
+def _decide(current_spec, target_spec) -> Program | None:
+    """The planner's Program for this move where its plan beats torch's, else None (torch runs it)."""
+    if not _takes(current_spec, target_spec):
+        return None
+    meta, mesh = current_spec.tensor_meta, current_spec.mesh
+    ours = plan_for(meta.shape, mesh, current_spec.placements, target_spec.placements, meta.dtype, **_options)
+    theirs = torch_plan(current_spec, target_spec, ours)
+    if theirs is not None and _score(ours) >= _score(theirs) and _ascending(mesh):
+        return None
+    return Program(mesh, ours)
+
+
+def _ascending(mesh) -> bool:
+    """Whether global ranks ascend along every mesh dim. c10d orders a group's ranks by global rank, torch's
+    collectives concatenate in that order and so misplace shards on other meshes, where the planner (which reads
+    each group's order) moves every tensor, ties included."""
+    ranks = mesh.mesh
+    return all(bool((ranks.diff(dim=d) > 0).all()) for d in range(ranks.dim()) if ranks.size(d) > 1)
+
+
+def torch_plan(current_spec, target_spec, ours: Plan) -> Plan | None:
+    """What torch runs for this move, priced with the cost model that priced `ours`; None where torch's planner
+    refuses the move."""
+    mesh = current_spec.mesh
+    try:
+        transforms = _compat.redistribution_transforms(current_spec, target_spec)
+    except (RuntimeError, ValueError, AssertionError, NotImplementedError):
+        return None
+    model = _options.get("cost_model")
+    if model is None:
+        model = calibration_for(_options.get("calibration"), mesh, ours.dtype)[0] or IdealCostModel()
+    builder = StepBuilder(ours.shape, ours.mesh_shape, ours.dtype, model.bind(ours.mesh_shape))
+    steps = dtensor_steps(builder, ours.src, transforms, _compat.shard_to_shard_gathers(mesh))
+    return Plan("dtensor", ours.shape, ours.mesh_shape, ours.dtype, ours.src, ours.dst, tuple(steps), ours.source_bytes)
+
+
+def _score(plan: Plan) -> tuple[int, float]:
+    """Bytes first (received on the busiest rank), then modelled time."""
+    return plan.max_recv_bytes, plan.time_s
 
 
 def _takes(current_spec, target_spec) -> bool:
     """Whether the planner runs this move (see the module docstring for what it leaves to torch)."""
     if current_spec.mesh != target_spec.mesh or current_spec.tensor_meta is None:
         return False
-    if _compat.tracing_for_compile() or not _compat.rank_in_mesh(current_spec.mesh):
+    if not _compat.rank_in_mesh(current_spec.mesh):
         return False
     for p, q in zip(current_spec.placements, target_spec.placements):
         for placement in (p, q):

@@ -1,18 +1,20 @@
 """Running a plan on real DTensors with functional collectives, and `redistribute` with autograd.
 
 Data-moving steps pack each rank's outgoing pieces into one buffer and run one `all_to_all_single` with
-per-rank split sizes on the process group of the mesh dims the step spans (a flattened sub-mesh where it spans
-several), so the bytes on the wire are exactly the plan's. Reductions run on the mesh dim's process group
-(`all_reduce`, `reduce_scatter_tensor`), or, for a reduce_exchange, as two such all-to-alls with a local reduction
-between. Ranks are numbered by their coordinate in the DTensor's mesh, so any DeviceMesh works (a sub-mesh,
-non-contiguous rank orders). Under a simulated mesh every rank's part is computed in this process.
+per-rank split sizes on the process group of the mesh dims the step spans (a flattened group where it spans
+several: torch's flattened mesh where the mesh has dim names, a group of its own otherwise), so the bytes on the
+wire are exactly the plan's; a gather in which every rank receives each group member's whole block runs as
+`all_gather_into_tensor`. Reductions run on the mesh dim's process group (`all_reduce`, `reduce_scatter_tensor`),
+or, for a reduce_exchange, as two such all-to-alls with a local reduction between. Ranks are numbered by their
+coordinate in the DTensor's mesh, so any DeviceMesh works (a sub-mesh, non-contiguous rank orders). Under a
+simulated mesh every rank's part is computed in this process.
 With an autotune calibration file, its measured choices decide how gathers over several mesh dims and one-dim
-exchanges run (dtensor_ext.redistribute.choices); send/recv pairs need real processes, so a simulated mesh runs
-those exchanges as all_to_all_single.
+exchanges run (dtensor_ext.redistribute.choices), and the plan `plan_for` returns has those steps; send/recv
+pairs need real processes, so a simulated mesh runs those exchanges as all_to_all_single.
 """
-
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -26,7 +28,6 @@ from dtensor_ext._compat import (
     Partial,
     Replicate,
     enabled_local_tensor_mode,
-    flattened_mesh,
     funcol,
     local_int,
     local_tensor_values,
@@ -35,7 +36,7 @@ from dtensor_ext._compat import (
 from dtensor_ext.redistribute.choices import Choices, calibration_for
 from dtensor_ext.redistribute.cost import IdealCostModel
 from dtensor_ext.redistribute.placements import is_shard
-from dtensor_ext.redistribute.layout import Layout, coordinates
+from dtensor_ext.redistribute.layout import Layout, coordinates, layout_of
 from dtensor_ext.redistribute.plan import Plan, Step, Transfer
 from dtensor_ext.redistribute.steps import StepBuilder, replace_placement
 
@@ -51,6 +52,7 @@ class _Ranks:
         self.mesh, self.mesh_shape = mesh, tuple(mesh_shape)
         self.index = {r: _row_major(c, mesh_shape) for r, c in coords.items()}
         self.coords = coordinates(mesh_shape)
+        self._groups: dict = {}
 
     def per_rank(self, fn, *tensors):
         """fn(mesh index, *that rank's tensors) on every simulated rank, or on this process's rank."""
@@ -71,22 +73,19 @@ class _Ranks:
         return {r: values_by_index(i) for r, i in self.index.items()}
 
     def group(self, mesh_dims: tuple[int, ...]):
-        """(process group argument, members of `index`'s group in group order) for a step over `mesh_dims`."""
-        if len(mesh_dims) == 1:
-            group = (self.mesh, mesh_dims[0])
-        else:
-            flat = flattened_mesh(self.mesh, mesh_dims)
-            if flat is None:
-                raise ValueError(
-                    f"a step over mesh dims {mesh_dims} needs a flattened group, and torch flattens only meshes with "
-                    "mesh_dim_names; name the mesh dims or plan with max_step_dims=1"
-                )
-            group = (flat, 0)
+        """(process group argument, members of `index`'s group in group order) for a step over `mesh_dims`, worked
+        out once per mesh dims (reading the mesh's rank tensor costs more than the rest of a small move)."""
+        if mesh_dims not in self._groups:
+            self._groups[mesh_dims] = self._group(mesh_dims)
+        return self._groups[mesh_dims]
+
+    def _group(self, mesh_dims: tuple[int, ...]):
+        group = (self.mesh, mesh_dims[0]) if len(mesh_dims) == 1 else _flat_group(self.mesh, mesh_dims, self.simulated)
         if not self.simulated:
             # c10d numbers a group's ranks in global rank order, which differs from mesh coordinate order on
             # meshes with a non-contiguous rank layout
             index_of = {g: i for i, g in enumerate(self.mesh.mesh.flatten().tolist())}
-            order = [index_of[g] for g in dist.get_process_group_ranks(group[0].get_group(group[1]))]
+            order = [index_of[g] for g in dist.get_process_group_ranks(_process_group(group))]
             return group, lambda index: order
 
         def members(index: int) -> list[int]:
@@ -95,6 +94,26 @@ class _Ranks:
             return [_row_major(c, self.mesh_shape) for c in itertools.product(*free)]
 
         return group, members
+
+
+def _flat_group(mesh, mesh_dims: tuple[int, ...], simulated: bool):
+    """The group of the ranks sharing this rank's coordinates off `mesh_dims`, made once with dist.new_group, which
+    only the group's own ranks enter (the plan runs on every rank of the mesh, so each group's ranks make it
+    together). Under simulated ranks the first rank's group stands for all of them, as mesh dim groups do there.
+    Not torch's DeviceMesh._flatten: a flattened mesh registered on the mesh makes torch merge its own gathers onto
+    it, which for uneven nested shards gives wrong values (torch 2.13: S1,S1 -> R,R of 6 columns on 2x2)."""
+    # kept on the mesh object: meshes compare equal by shape and ranks, and a group lives as long as its mesh's
+    groups = mesh.__dict__.setdefault("_dtensor_ext_flat_groups", {})
+    if mesh_dims not in groups:
+        coordinate = (0,) * mesh.ndim if simulated else mesh.get_coordinate()
+        index = tuple(slice(None) if d in mesh_dims else int(c) for d, c in enumerate(coordinate))
+        members = sorted(mesh.mesh[index].flatten().tolist())
+        groups[mesh_dims] = dist.new_group(members, use_local_synchronization=True)
+    return groups[mesh_dims]
+
+
+def _process_group(group):
+    return group[0].get_group(group[1]) if isinstance(group, tuple) else group
 
 
 def _row_major(coord, mesh_shape) -> int:
@@ -169,7 +188,7 @@ def _all_to_all(ranks: _Ranks, step: Step, transfers, pack, *local, send_recv: b
 
 def _send_recv(buffer: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group) -> torch.Tensor:
     """all_to_all_single's exchange as one batch of isend/irecv pairs (the autotuner's `send_recv`)."""
-    process_group = group[0].get_group(group[1])
+    process_group = _process_group(group)
     peers, me = dist.get_process_group_ranks(process_group), dist.get_rank()
     sends, received = buffer.split(input_sizes), [buffer.new_empty(n) for n in output_sizes]
     ops = []
@@ -203,6 +222,40 @@ def _numel(block) -> int:
 def _picker(before: Layout):
     """pack function for `_all_to_all`: each outgoing transfer's elements cut from the sender's local tensor."""
     return lambda r, x, outgoing: [_select(x, _positions(before.blocks[r], t.block)) for t in outgoing]
+
+
+def _gathers_whole_blocks(ranks: _Ranks, step: Step, before: Layout) -> bool:
+    """Whether every rank receives the whole local block of each other member of its group, all blocks of one size:
+    a step all_gather_into_tensor runs with exactly the plan's bytes."""
+    if step.kind != "all_gather" or len({before.local_numel(r) for r in range(len(before.blocks))}) != 1:
+        return False
+    members = ranks.group(step.mesh_dims)[1]
+    incoming: dict[int, set] = {}
+    for t in step.transfers:
+        if t.block != before.blocks[t.src]:
+            return False
+        incoming.setdefault(t.dst, set()).add(t.src)
+    return all(incoming.get(r, set()) == set(members(r)) - {r} for r in range(len(before.blocks)))
+
+
+# all_gather_single where this torch has it (2.13 deprecates all_gather_tensor)
+_gather_flat = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _all_gather(ranks: _Ranks, local, step: Step, before: Layout, after: Layout):
+    """The step as one all_gather of every member's local block, each placed where the target layout holds it."""
+    group, members = ranks.group(step.mesh_dims)
+    numel = before.local_numel(0)
+    gathered = _gather_flat(ranks.per_rank(lambda r, x: x.contiguous().reshape(-1), local), 0, group)
+
+    def unpack(r, pieces):
+        out = pieces.new_zeros(after.local_shapes[r])
+        for position, m in enumerate(members(r)):
+            piece = pieces[position * numel : (position + 1) * numel].reshape(before.local_shapes[m])
+            _assign(out, _positions(after.blocks[r], before.blocks[m]), piece)
+        return out
+
+    return ranks.per_rank(unpack, gathered)
 
 
 def _exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout, send_recv: bool = False):
@@ -318,58 +371,71 @@ def execute(tensor: DTensor, plan: Plan, choices: Choices = Choices()) -> DTenso
             f"plan for {plan.shape} {plan.dtype} {plan.src} given a tensor {tuple(tensor.shape)} {tensor.dtype} "
             f"{tuple(tensor.placements)}"
         )
-    local = execute_local(tensor._local_tensor, tensor.device_mesh, plan, choices)
+    local = execute_local(tensor._local_tensor, tensor.device_mesh, as_chosen(plan, tensor.device_mesh, choices))
     return DTensor.from_local(local, tensor.device_mesh, plan.dst, run_check=False, shape=tensor.shape, stride=tensor.stride())
 
 
-def execute_local(local: torch.Tensor, mesh, plan: Plan, choices: Choices = Choices()) -> torch.Tensor:
-    """This rank's local tensor (every simulated rank's, under LocalTensorMode) after running `plan` on `mesh`."""
-    if plan.planner == "dtensor":
-        raise ValueError("the 'dtensor' plan is a record of torch's own redistribute; run DTensor.redistribute")
-    if tuple(mesh.shape) != plan.mesh_shape:
-        raise ValueError(f"plan for mesh {plan.mesh_shape} given a mesh of shape {tuple(mesh.shape)}")
-    if not plan.steps:
+class Program:
+    """A plan made ready to run on one mesh, once: each step's layouts and whether it runs as an all_gather."""
+
+    def __init__(self, mesh, plan: Plan):
+        if plan.planner == "dtensor":
+            raise ValueError("the 'dtensor' plan is a record of torch's own redistribute; run DTensor.redistribute")
+        if tuple(mesh.shape) != plan.mesh_shape:
+            raise ValueError(f"plan for mesh {plan.mesh_shape} given a mesh of shape {tuple(mesh.shape)}")
+        self.mesh, self.plan = mesh, plan
+        self.ranks = _Ranks(mesh, plan.mesh_shape)
+        self.steps = []
+        for step in plan.steps:
+            before, after = layout_of(plan.shape, plan.mesh_shape, step.before), layout_of(plan.shape, plan.mesh_shape, step.after)
+            self.steps.append((step, before, after, _gathers_whole_blocks(self.ranks, step, before)))
+
+    def run(self, local: torch.Tensor) -> torch.Tensor:
+        ranks, mesh = self.ranks, self.mesh
+        for step, before, after, gathers in self.steps:
+            if step.kind == "all_reduce":
+                local = _all_reduce(local, step, mesh)
+            elif step.kind == "reduce_scatter":
+                local = _reduce_scatter(ranks, local, step, mesh, before, after)
+            elif step.kind == "reduce_exchange":
+                local = _reduce_exchange(ranks, local, step, before, after)
+            elif gathers:
+                local = _all_gather(ranks, local, step, before, after)
+            else:
+                local = _exchange(ranks, local, step, before, after, step.send_recv)
+        if isinstance(local, funcol.AsyncCollectiveTensor):
+            local = local.wait()
         return local
-    ranks = _Ranks(mesh, plan.mesh_shape)
-    for step, send_recv in _as_chosen(plan, mesh, choices):
-        before, after = Layout(plan.shape, plan.mesh_shape, step.before), Layout(plan.shape, plan.mesh_shape, step.after)
-        if step.kind == "all_reduce":
-            local = _all_reduce(local, step, mesh)
-        elif step.kind == "reduce_scatter":
-            local = _reduce_scatter(ranks, local, step, mesh, before, after)
-        elif step.kind == "reduce_exchange":
-            local = _reduce_exchange(ranks, local, step, before, after)
-        else:
-            local = _exchange(ranks, local, step, before, after, send_recv)
-    if isinstance(local, funcol.AsyncCollectiveTensor):
-        local = local.wait()
-    return local
 
 
-def _as_chosen(plan: Plan, mesh, choices: Choices) -> list[tuple[Step, bool]]:
-    """The plan's steps as the calibrated choices run them, each with whether it runs as send/recv pairs: gathers
-    over several mesh dims split per dim or merged into one on the flattened group (where the mesh has dim names,
-    which torch needs to flatten), exchanges on one mesh dim as all_to_all_single or send/recv."""
+def execute_local(local: torch.Tensor, mesh, plan: Plan) -> torch.Tensor:
+    """This rank's local tensor (every simulated rank's, under LocalTensorMode) after running `plan` on `mesh`,
+    step by step as the plan says."""
+    return Program(mesh, plan).run(local) if plan.steps else local
+
+
+def as_chosen(plan: Plan, mesh, choices: Choices) -> Plan:
+    """The plan with its steps as the calibrated choices run them: gathers over several mesh dims split per dim or
+    merged into one on the flattened group, exchanges on one mesh dim as all_to_all_single or send/recv pairs
+    (Step.send_recv). Its steps, bytes and modelled times are what the executor runs."""
     if not choices.measured:
-        return [(step, False) for step in plan.steps]
+        return plan
     builder = StepBuilder(plan.shape, plan.mesh_shape, plan.dtype, IdealCostModel().bind(plan.mesh_shape))
-    out: list[tuple[Step, bool]] = []
+    out: list[Step] = []
     for step in plan.steps:
-        previous = out[-1][0] if out else None
+        previous = out[-1] if out else None
         if step.kind == "all_gather" and previous is not None and previous.kind == "all_gather":
             dims = tuple(sorted({*previous.mesh_dims, *step.mesh_dims}))
             contributed = builder.buffer_bytes(previous.before)  # the autotuner's size: what each rank puts in
-            if mesh.mesh_dim_names is not None and choices.pick("all_gather_over_dims", dims, contributed) == "flattened":
-                out[-1] = (builder.exchange(previous.before, step.after), False)
+            if choices.pick("all_gather_over_dims", dims, contributed) == "flattened":
+                out[-1] = builder.exchange(previous.before, step.after)
                 continue
         if step.kind == "all_gather" and len(step.mesh_dims) > 1:
             if choices.pick("all_gather_over_dims", step.mesh_dims, builder.buffer_bytes(step.before)) == "per_dim":
-                out.extend((part, False) for part in _per_dim_gathers(builder, step))
+                out.extend(_per_dim_gathers(builder, step))
                 continue
-        out.append((step, _sends_and_receives(step, plan.mesh_shape, choices)))
-    return out
-
-
+        out.append(dataclasses.replace(step, send_recv=_sends_and_receives(step, plan.mesh_shape, choices)))
+    return dataclasses.replace(plan, steps=tuple(out))
 def _per_dim_gathers(builder: StepBuilder, step: Step) -> list[Step]:
     """The step as one exchange per changed mesh dim, innermost first (as DTensor gathers)."""
     parts, state = [], step.before
@@ -389,7 +455,7 @@ def _sends_and_receives(step: Step, mesh_shape, choices: Choices) -> bool:
     return choices.pick("all_to_all", step.mesh_dims, buffer) == "send_recv"
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _cached_plan(shape, mesh_shape, src, dst, dtype, options) -> Plan:
     """Planning is pure in its arguments; a training loop redistributes the same way every step."""
     from dtensor_ext.redistribute.planners import plan
@@ -397,18 +463,15 @@ def _cached_plan(shape, mesh_shape, src, dst, dtype, options) -> Plan:
     return plan(shape, mesh_shape, src, dst, dtype=dtype, **dict(options))
 
 
-def plan_for(shape, mesh, src, dst, dtype, calibration=None, **options) -> tuple[Plan, Choices]:
-    """The (cached) plan the executor can run on `mesh`, and the implementation choices to run it with. Steps over
-    several mesh dims need a flattened group, which torch builds only for meshes with dim names. Where the
-    calibration file (`calibration`, default $DTENSOR_EXT_CALIBRATION) has an entry for this mesh and dtype, its
-    alpha/beta price the steps (unless a cost_model is given) and its choices run them."""
-    if mesh.mesh_dim_names is None and mesh.ndim > 1:
-        options.setdefault("max_step_dims", 1)
+def plan_for(shape, mesh, src, dst, dtype, calibration=None, **options) -> Plan:
+    """The (cached) plan the executor runs on `mesh`, step for step. Where the calibration file (`calibration`,
+    default $DTENSOR_EXT_CALIBRATION) has an entry for this mesh and dtype, its alpha/beta price the steps (unless
+    a cost_model is given) and its measured choices decide how they run (see as_chosen)."""
     model, choices = calibration_for(calibration, mesh, dtype)
     if model is not None:
         options.setdefault("cost_model", model)
     key = (tuple(shape), tuple(mesh.shape), tuple(src), tuple(dst), dtype, tuple(sorted(options.items(), key=str)))
-    return _cached_plan(*key), choices
+    return as_chosen(_cached_plan(*key), mesh, choices)
 
 
 def gradient_placements(grad_placements, source_placements) -> tuple:
@@ -424,8 +487,8 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: DTensor, placements, options):
         ctx.source, ctx.options = tuple(tensor.placements), options
-        chosen, choices = plan_for(tensor.shape, tensor.device_mesh, ctx.source, placements, tensor.dtype, **options)
-        return execute(tensor, chosen, choices)
+        chosen = plan_for(tensor.shape, tensor.device_mesh, ctx.source, placements, tensor.dtype, **options)
+        return execute(tensor, chosen)
 
     @staticmethod
     def backward(ctx, grad: DTensor):

@@ -44,6 +44,7 @@ def _length(intervals: Intervals) -> int:
     return sum(b - a for a, b in intervals)
 
 
+@lru_cache(maxsize=65536)  # every layout of a plan cuts the same per-dim intervals
 def _chunk(intervals: Intervals, parts: int, index: int) -> Intervals:
     sizes = chunk_sizes(_length(intervals), parts)
     start = sum(sizes[:index])
@@ -130,3 +131,9 @@ class Layout:
 
     def overlap(self, rank: int, other: "Layout", other_rank: int) -> Block:
         return tuple(intersect(a, b) for a, b in zip(self.blocks[rank], other.blocks[other_rank]))
+
+
+@lru_cache(maxsize=4096)
+def layout_of(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> Layout:
+    """The Layout, built once per process: planning, lower bounds and the engine's decisions read the same ones."""
+    return Layout(shape, mesh_shape, placements)

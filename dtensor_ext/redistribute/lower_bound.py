@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dtensor_ext._compat import Partial, Placement, Replicate
-from dtensor_ext.redistribute.layout import Layout, coordinates, count
+from dtensor_ext.redistribute.layout import Layout, coordinates, count, layout_of
 from dtensor_ext.redistribute.placements import check_placements, format_placements
 from dtensor_ext.redistribute.plan import format_bytes
 
@@ -82,7 +82,7 @@ def lower_bound(shape, mesh, src, dst, dtype: torch.dtype = torch.float32) -> Lo
     mesh_shape = mesh_shape_of(mesh)
     shape, src, dst = validate_request(shape, mesh_shape, src, dst)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    before, after = Layout(shape, mesh_shape, src), Layout(shape, mesh_shape, dst)
+    before, after = layout_of(shape, mesh_shape, src), layout_of(shape, mesh_shape, dst)
     world = math.prod(mesh_shape)
     reduce = reduced_dims(src, dst, mesh_shape)
     if reduce:

@@ -45,14 +45,16 @@ class Step:
     tensor_dim: int | None = None  # reduce_scatter: the dim it scatters
     # reduce_exchange: pieces go to `merges` first (one all-to-all), then `transfers` carry the results
     merges: tuple[Merge, ...] = field(default=(), repr=False, compare=False)
+    send_recv: bool = False  # an exchange run as batched isend/irecv pairs (a calibration file's choice)
 
     def describe(self) -> str:
         dims = ",".join(map(str, self.mesh_dims)) or "-"
         change = ""
         if self.before is not None and self.after is not None:
             change = f"{format_placements(self.before)} -> {format_placements(self.after)}"
+        kind = f"{self.kind} (send/recv)" if self.send_recv else self.kind
         return (
-            f"{self.kind:<15} mesh dims ({dims:<5}) {change:<28} recv {format_bytes(max(self.recv_bytes, default=0))}"
+            f"{kind:<15} mesh dims ({dims:<5}) {change:<28} recv {format_bytes(max(self.recv_bytes, default=0))}"
             f"  buffer {format_bytes(self.buffer_bytes)}  {self.time_s * 1e6:9.1f} us"
         )
 

@@ -18,6 +18,7 @@ import torch
 
 from dtensor_ext._compat import Partial, Replicate, Shard
 from dtensor_ext.redistribute.cost import IdealCostModel
+from dtensor_ext.redistribute.dtensor_plan import gloo_dtensor_steps
 from dtensor_ext.redistribute.lower_bound import lower_bound, mesh_shape_of, reduced_dims, validate_request
 from dtensor_ext.redistribute.placements import format_placements
 from dtensor_ext.redistribute.plan import Plan, Step
@@ -60,9 +61,7 @@ def plan(
     builder = StepBuilder(shape, mesh_shape, dtype, model)
     exhaustive = True
     if planner == "dtensor":
-        from dtensor_ext.redistribute.measure import dtensor_steps
-
-        steps = dtensor_steps(shape, mesh_shape, src, dst, dtype, model)
+        steps = gloo_dtensor_steps(builder, src, dst)
     elif planner == "naive":
         steps = _naive(builder, src, dst)
     else:

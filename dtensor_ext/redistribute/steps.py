@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from dtensor_ext._compat import Partial, Placement, Replicate, Shard
-from dtensor_ext.redistribute.layout import Layout, coordinates, count, intersect, split_block
+from dtensor_ext.redistribute.layout import Layout, coordinates, count, intersect, layout_of, split_block
 from dtensor_ext.redistribute.placements import is_shard
 from dtensor_ext.redistribute.plan import Merge, Step, Transfer
 
@@ -41,7 +41,7 @@ class StepBuilder:
 
     def _layout(self, placements) -> Layout:
         self.work += self.world
-        return Layout(self.shape, self.mesh_shape, placements)
+        return layout_of(self.shape, self.mesh_shape, placements)
 
     def buffer_bytes(self, placements) -> int:
         return self.layout(placements).max_local_numel * self.itemsize
@@ -107,14 +107,18 @@ class StepBuilder:
         return sum(x != y for x, y in zip(self.coords[r], self.coords[s]))
 
     def all_reduce(self, a: tuple[Placement, ...], mesh_dim: int) -> Step:
-        b = replace_placement(a, mesh_dim, Replicate())
-        n = self.mesh_shape[mesh_dim]
+        return self.all_reduce_over(a, (mesh_dim,))
+
+    def all_reduce_over(self, a: tuple[Placement, ...], mesh_dims: tuple[int, ...]) -> Step:
+        """Partial -> Replicate on `mesh_dims` (one all_reduce on their flattened group where several)."""
+        b = tuple(Replicate() if j in mesh_dims else p for j, p in enumerate(a))
+        n = self._group_size(mesh_dims)
         layout = self.layout(a)
         self.work += self.world
         local = [layout.local_numel(r) for r in range(self.world)]
         recv = tuple(-(-2 * (n - 1) * m // n) * self.itemsize for m in local)  # whole elements
         largest = max(local) * self.itemsize
-        return Step("all_reduce", (mesh_dim,), a, b, recv, largest, self.cost.collective_time("all_reduce", (mesh_dim,), largest))
+        return Step("all_reduce", mesh_dims, a, b, recv, largest, self.cost.collective_time("all_reduce", mesh_dims, largest))
 
     def reduce_scatter(self, a: tuple[Placement, ...], mesh_dim: int, tensor_dim: int) -> Step | None:
         """Partial -> Shard(tensor_dim) on one mesh dim; None where inner mesh dims already shard that tensor dim."""
@@ -122,8 +126,12 @@ class StepBuilder:
             return None
         if any(is_shard(p) and p.dim == tensor_dim and type(p) is not Shard for p in a):
             return None
-        b = replace_placement(a, mesh_dim, Shard(tensor_dim))
-        n = self.mesh_shape[mesh_dim]
+        return self.reduce_scatter_over(a, (mesh_dim,), tensor_dim)
+
+    def reduce_scatter_over(self, a: tuple[Placement, ...], mesh_dims: tuple[int, ...], tensor_dim: int) -> Step:
+        """Partial -> Shard(tensor_dim) on `mesh_dims`: one padded chunk per member of their (flattened) group."""
+        b = tuple(Shard(tensor_dim) if j in mesh_dims else p for j, p in enumerate(a))
+        n = self._group_size(mesh_dims)
         layout = self.layout(a)
         self.work += self.world
         recv, padded = [], []
@@ -134,8 +142,8 @@ class StepBuilder:
             chunk = -(-length // n) * rest * self.itemsize
             recv.append((n - 1) * chunk)
             padded.append(n * chunk)
-        time_s = self.cost.collective_time("reduce_scatter", (mesh_dim,), max(padded))
-        return Step("reduce_scatter", (mesh_dim,), a, b, tuple(recv), self.buffer_bytes(b), time_s, (), tensor_dim)
+        time_s = self.cost.collective_time("reduce_scatter", mesh_dims, max(padded))
+        return Step("reduce_scatter", mesh_dims, a, b, tuple(recv), self.buffer_bytes(b), time_s, (), tensor_dim)
 
     def reduce_exchange(self, a: tuple[Placement, ...], b: tuple[Placement, ...]) -> Step | None:
         """Reduce every Partial mesh dim of `a` that `b` drops and land in `b`: one all-to-all of partial pieces

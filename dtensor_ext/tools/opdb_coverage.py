@@ -138,6 +138,8 @@ class _OpRecord:
     outcomes: Counter = field(default_factory=Counter)
     example: dict[str, str] = field(default_factory=dict)  # outcome -> first reason seen
     fallbacks: int = 0
+    # (sample, placements) -> (collectives, payload bytes) of each correct run
+    communication: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
 
     def add(self, outcome: str, reason: str | None = None) -> None:
         self.outcomes[outcome] += 1
@@ -413,8 +415,9 @@ def _place_exactly(t: torch.Tensor, placements, mesh_shape, coords) -> dict[int,
     return pieces
 
 
-def _run_sharded(case: _Case, placements, mesh, coords, options: Options) -> tuple[str, str | None, bool]:
-    """Outcome, reason and whether DTensor communicated where local compute was enough, for one sharding."""
+def _run_sharded(case: _Case, placements, mesh, coords, options: Options) -> tuple[str, str | None, bool, tuple]:
+    """Outcome, reason, whether DTensor communicated where local compute was enough, and (collectives, payload
+    bytes) it ran, for one sharding."""
     mesh_shape = tuple(mesh.shape)
     mode = active_mode()
     try:
@@ -425,19 +428,20 @@ def _run_sharded(case: _Case, placements, mesh, coords, options: Options) -> tup
             for t, p, ps in zip(case.tensors, pieces, placements)
         ]
     except Exception as e:  # counted as a skipped run, with its reason, never as a verdict on DTensor
-        return "skipped: inputs not placeable", _first_line(e), False
+        return "skipped: inputs not placeable", _first_line(e), False, (0, 0)
     comm = CommStatsMode()  # not torch's CommDebugMode: its module tracker fails on a module called twice
     try:
         with comm:
             got = case.call(inputs)
     except Exception as e:
-        return (*_failure(e), False)
+        return (*_failure(e), False, (0, 0))
     outcome, reason = _compare(got, case.expected, mesh.mesh)
+    moved = (sum(comm.stats.collectives.values()), sum(comm.stats.payload_bytes.values()))
     fallback = False
     if outcome == "correct" and options.check_fallback and len(mesh_shape) == 1 and comm.stats.collectives:
         with mode.disable():
             fallback = _communication_free(case, placements, mesh_shape, coords, mesh.mesh)
-    return outcome, reason, fallback
+    return outcome, reason, fallback, moved
 
 
 def _set_package(mode: str) -> None:
@@ -482,11 +486,15 @@ def measure(options: Options, progress: Callable[[str], None] | None = None) -> 
                                 for placements in shardings:
                                     try:
                                         with _time_limit(options.timeout_s):
-                                            outcome, reason, fallback = _run_sharded(case, placements, mesh, coords, options)
+                                            outcome, reason, fallback, moved = _run_sharded(
+                                                case, placements, mesh, coords, options
+                                            )
                                     except _Timeout:
                                         record.add("timeout", f"sample {case.index} {_fmt(placements)}")
                                         continue
                                     record.add(outcome, reason and f"sample {case.index} {_fmt(placements)}: {reason}")
+                                    if outcome == "correct":
+                                        record.communication[case.index, _fmt(placements)] = moved
                                     if fallback:
                                         record.fallbacks += 1
                                         record.example.setdefault("communicated", f"sample {case.index} {_fmt(placements)}")
@@ -542,6 +550,7 @@ def _summary(options, excluded, cases, records, skipped_samples, not_run, second
                 "examples": {l: recs[l].example for l in cases if recs[l].example},
             }
     return {
+        "communication_vs_torch": _communication_vs_torch(meshes, cases, records),
         "torch": _compat.TORCH_VERSION,
         "dtensor_ext": dtensor_ext.__version__,
         "options": {
@@ -559,6 +568,28 @@ def _summary(options, excluded, cases, records, skipped_samples, not_run, second
         "fixed_by_family": {f: sorted(ops) for f, ops in sorted(fixed_by_family.items())},
         "broken_by_package": sorted(broken),
     }
+
+
+def _communication_vs_torch(meshes, cases, records) -> dict[str, Any]:
+    """Per mesh, for each op with runs correct both with and without the package: collectives and payload bytes
+    summed over those runs, [torch alone, with the package], listed where they differ; and the ops that move more
+    with the package (collectives or bytes)."""
+    out: dict[str, Any] = {}
+    for m in meshes:
+        differ, worse = {}, []
+        for label in cases:
+            alone, ours = records[m]["without"][label].communication, records[m]["with"][label].communication
+            both = sorted(set(alone) & set(ours))
+            if not both:
+                continue
+            c0, b0 = (sum(alone[k][i] for k in both) for i in (0, 1))
+            c1, b1 = (sum(ours[k][i] for k in both) for i in (0, 1))
+            if (c0, b0) != (c1, b1):
+                differ[label] = {"runs": len(both), "collectives": [c0, c1], "bytes": [b0, b1]}
+            if c1 > c0 or b1 > b0:
+                worse.append(label)
+        out[m] = {"differ": differ, "more_than_torch": worse}
+    return out
 
 
 _LABELS = {
@@ -589,6 +620,16 @@ def format_report(result: dict[str, Any], verbose: bool = False) -> str:
         runs = [by_mode[mode]["runs"] for mode in MODES]
         for outcome in sorted(set(runs[0]) | set(runs[1])):
             lines.append(f"    runs {outcome:<33}{runs[0].get(outcome, 0):>7}{runs[1].get(outcome, 0):>9}")
+        communication = result.get("communication_vs_torch", {}).get(mesh)
+        if communication is not None:
+            differ = communication["differ"]
+            better = [op for op in differ if op not in communication["more_than_torch"]]
+            lines.append(f"  ops moving more than torch alone (runs correct both ways): "
+                         f"{len(communication['more_than_torch'])}; less: {len(better)}")
+            for op in communication["more_than_torch"] if verbose or len(communication["more_than_torch"]) <= 20 else []:
+                d = differ[op]
+                lines.append(f"    {op}: collectives {d['collectives'][0]} -> {d['collectives'][1]}, "
+                             f"payload bytes {d['bytes'][0]:,} -> {d['bytes'][1]:,} over {d['runs']} runs")
         with_package = by_mode["with"]["ops"]
         for key in ("wrong", "no_strategy", "error", "other"):
             if with_package[key] and (verbose or key == "wrong"):
@@ -665,7 +706,17 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for r in results:
         for m, counts in r["shardings_not_run"].items():
             not_run[m].update(counts)
+    merged = {}
+    if all("communication_vs_torch" in r for r in results):  # results from before it was measured lack it
+        merged["communication_vs_torch"] = {
+            m: {
+                "differ": {op: d for r in results for op, d in r["communication_vs_torch"][m]["differ"].items()},
+                "more_than_torch": sorted(op for r in results for op in r["communication_vs_torch"][m]["more_than_torch"]),
+            }
+            for m in first["communication_vs_torch"]
+        }
     return {
+        **merged,
         "torch": first["torch"],
         "dtensor_ext": first["dtensor_ext"],
         "options": {

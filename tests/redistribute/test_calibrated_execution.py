@@ -8,7 +8,7 @@ from dtensor_ext.redistribute import Plan, parse_placements, plan
 from dtensor_ext.redistribute.calibration_file import CalibrationEntry, Choice, write_calibration_entry
 from dtensor_ext.redistribute.choices import Choices
 from dtensor_ext.redistribute.cost import IdealCostModel
-from dtensor_ext.redistribute.executor import execute, redistribute
+from dtensor_ext.redistribute.executor import execute, plan_for, redistribute
 from dtensor_ext.redistribute.measure import CollectiveRecorder, _mesh_dims_of_group
 from dtensor_ext.redistribute.steps import StepBuilder
 from dtensor_ext.testing import simulated_mesh
@@ -30,7 +30,7 @@ def _collectives(recorder, mesh_shape):
 
 @pytest.mark.parametrize(
     "implementation, expected",
-    [("per_dim", [("all_to_all", (1,)), ("all_to_all", (0,))]), ("flattened", [("all_to_all", (0, 1))])],
+    [("per_dim", [("all_gather", (1,)), ("all_gather", (0,))]), ("flattened", [("all_gather", (0, 1))])],
 )
 def test_gathers_of_a_plan_run_per_dim_or_flattened_as_calibrated(tmp_path, implementation, expected):
     t = torch.randn(8, 6)
@@ -42,7 +42,9 @@ def test_gathers_of_a_plan_run_per_dim_or_flattened_as_calibrated(tmp_path, impl
         recorder = CollectiveRecorder()
         with recorder:
             y = redistribute(x, P("R,R"), calibration=path)
-        assert _collectives(recorder, (2, 2)) == expected
+        assert _collectives(recorder, (2, 2)) == expected  # even blocks: torch's all_gather collective
+        ran = plan_for(t.shape, mesh, P("S0,S0"), P("R,R"), torch.float32, calibration=path)
+        assert [(s.kind, s.mesh_dims) for s in ran.steps] == expected  # the plan reported is the plan run
         assert torch.equal(y.full_tensor(), t) and y.placements == P("R,R")
 
 
@@ -94,7 +96,10 @@ def test_no_calibration_entry_for_this_mesh_runs_the_defaults(tmp_path):
         assert len(recorder.calls) == 2  # the gloo entry is not this simulated mesh's
 
 
-def test_install_reads_the_calibration_file_for_dtensors_own_redistribution(tmp_path):
+def test_install_with_a_calibration_file_runs_the_planner_only_where_it_beats_torch(tmp_path):
+    """With the file's choice, the planner's S0,S0 -> R,R is one gather on the flattened group: as many bytes as
+    torch's two gathers and no faster in the ring model, so torch's collectives run; the transpose S0,S0 -> S1,S1
+    is the planner's (one all_to_all instead of torch's gathers)."""
     import dtensor_ext
     from dtensor_ext.redistribute import engine
 
@@ -107,10 +112,13 @@ def test_install_reads_the_calibration_file_for_dtensors_own_redistribution(tmp_
         try:
             with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
                 x = distribute_tensor(t, mesh, P("S0,S0"))
-                recorder = CollectiveRecorder()
-                with recorder:
-                    y = x.redistribute(mesh, P("R,R"))
-                assert _collectives(recorder, (2, 2)) == [("all_to_all", (0, 1))]
-                assert torch.equal(y.full_tensor(), t)
+                ran = {}
+                for dst in ("R,R", "S1,S1"):
+                    recorder = CollectiveRecorder()
+                    with recorder:
+                        y = x.redistribute(mesh, P(dst))
+                    ran[dst] = _collectives(recorder, (2, 2))
+                    assert torch.equal(y.full_tensor(), t)
         finally:
             engine.disable()
+    assert ran == {"R,R": [("all_gather", (1,)), ("all_gather", (0,))], "S1,S1": [("all_to_all", (0, 1))]}

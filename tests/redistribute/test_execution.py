@@ -51,16 +51,19 @@ def test_optimal_plan_matches_dtensor_redistribute_and_claimed_bytes(request, ob
             note(f"DTensor.redistribute failed: {exc}")
         else:
             assert _same(ours, theirs)
-    # the data-moving collectives carried exactly the bytes the plan claims for them, rank by rank
-    a2a = [c for c in recorder.calls if c[0] == "all_to_all"]
-    claimed = _claimed_all_to_alls(chosen)
-    assert len(a2a) == len(claimed)
-    for per_rank, (_, _, _, outputs, _) in zip(claimed, a2a):
-        assert tuple(math.prod(outputs[r]) * 4 for r in range(len(per_rank))) == per_rank
+    # the data-moving collectives carried exactly the bytes the plan claims for them, rank by rank (an all_gather
+    # receives its output less the rank's own input)
+    moved = [
+        tuple((math.prod(outputs[r]) - (math.prod(inputs[r]) if kind == "all_gather" else 0)) * 4 for r in sorted(outputs))
+        for kind, _, inputs, outputs, _ in recorder.calls
+        if kind in ("all_to_all", "all_gather")
+    ]
+    assert moved == _claimed_all_to_alls(chosen)
 
 
 def _claimed_all_to_alls(chosen) -> list[tuple[int, ...]]:
-    """Per-rank received bytes of each all_to_all the plan's data-moving steps should issue, in order."""
+    """Per-rank received bytes of each all_to_all or all_gather the plan's data-moving steps should issue, in
+    order."""
     out = []
     for step in chosen.steps:
         if step.kind in ("all_gather", "all_to_all", "permute"):
