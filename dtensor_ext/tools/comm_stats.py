@@ -12,13 +12,14 @@ one, and both receive the same n-1 shards.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtensor_ext._compat import TorchDispatchMode, group_size, local_tensor_values
+from dtensor_ext._compat import TorchDispatchMode, group_size, local_int_values, local_tensor_values
 
 _COLLECTIVES = {  # (namespace, name) -> kind
     ("_c10d_functional", "all_reduce"): "all_reduce",
@@ -42,9 +43,13 @@ def _received_bytes(kind: str, args: tuple, payload: int) -> int:
         return 2 * (n - 1) * payload // n
     if kind == "all_gather":
         return (n - 1) * payload
-    if kind == "all_to_all" and isinstance(args[1], (list, tuple)) and args[1]:  # split sizes in rows: everything but the smallest own block
-        rows_in, rows_out = [int(r) for r in args[2]], [int(r) for r in args[1]]
-        return (sum(rows_out) - min(rows_out)) * payload // max(sum(rows_in), 1)
+    if kind == "all_to_all" and isinstance(args[1], (list, tuple)) and args[1]:  # output split sizes, in rows
+        piece = next(iter((local_tensor_values(args[0]) or {0: args[0]}).values()))
+        row_bytes = math.prod(piece.shape[1:]) * piece.element_size()
+        per_rank = [local_int_values(size) for size in args[1]]  # simulated ranks may each have their own sizes
+        ranks = next((list(values) for values in per_rank if values), [None])
+        blocks = [[values[r] if values else int(size) for values, size in zip(per_rank, args[1])] for r in ranks]
+        return row_bytes * max(sum(b) - min(b) for b in blocks)  # every block but its own: at most all but the least
     return (n - 1) * payload // n
 
 
