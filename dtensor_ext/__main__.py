@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     modules = {}
     wanted = (argv if argv is not None else sys.argv[1:])[:1]
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=help_text.split(";")[0], description=help_text[0].upper() + help_text[1:] + ".")
+        description = help_text[0].upper() + help_text[1:] + "."
+        sub = commands.add_parser(name, help=help_text.split(";")[0], description=description)
         if name in wanted:  # only the chosen command's module (and its imports) is loaded
             modules[name] = importlib.import_module(module_name)
             modules[name].add_arguments(sub)

@@ -352,6 +352,9 @@ def format_report(r: DemoReport) -> str:
         by_status.setdefault(_status(op), []).append(f"{op.removeprefix('aten.')} x{n}")
     if by_status.get("added"):
         lines.append(f"  ops torch has no strategy for, run by the package's rules: {', '.join(by_status['added'])}")
+    if by_status.get("direct"):
+        lines.append("  ops torch reaches only through its decomposition fallback, run by the package's direct rules: "
+                     + ", ".join(by_status["direct"]))
     if by_status.get("fixed"):
         lines.append("  ops through a torch fix (it changes only the layouts torch gets wrong): "
                      + ", ".join(by_status["fixed"]))
@@ -363,8 +366,12 @@ def format_report(r: DemoReport) -> str:
 
 
 def _status(op: str) -> str:
-    statuses = {e.status for e in dtensor_ext.registry() if e.op == _op_name(op)}
-    return "added" if statuses & {"added", "upgraded"} else "fixed"
+    """"added" (torch has no strategy), "direct" (a rule where torch has only its decomposition fallback) or
+    "fixed" (through a torch fix)."""
+    entries = [e for e in dtensor_ext.registry() if e.op == _op_name(op) and e.status in ("added", "upgraded")]
+    if not entries:
+        return "fixed"
+    return "direct" if entries[0].torch_strategy == "decomposition" else "added"
 
 
 def _versus_torch_alone(pkg: JobResult, alone: JobResult) -> list[str]:
@@ -380,9 +387,10 @@ def _versus_torch_alone(pkg: JobResult, alone: JobResult) -> list[str]:
     if worst >= 1e-3:
         lines.append("  -> the package makes this job right")
     elif p is not None and _bytes(p) == _bytes(a):
-        how = "collectives and bytes" if p.collectives == a.collectives else "bytes, in other collectives,"
-        lines.append(f"  -> same result and {how} as torch alone: on this torch the package adds the plan (from "
-                     "3 policy entries instead of a hand-written plan), not speed")
+        same = ("result, collectives and bytes" if p.collectives == a.collectives
+                else "result and bytes, other collectives,")
+        lines.append(f"  -> same {same} as torch alone: on this torch the package adds the plan (from 3 policy "
+                     "entries instead of a hand-written plan), not speed")
     elif p is not None:
         lines.append(f"  -> the package's job receives {_bytes(p) / max(_bytes(a), 1):.2f}x torch alone's bytes")
     return lines

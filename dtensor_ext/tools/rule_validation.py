@@ -106,7 +106,8 @@ def validate(opinfo: str, our_ops: list[str], max_samples: int | None = 4) -> Va
 
 def add_arguments(parser) -> None:
     parser.add_argument("--ops", type=name_list, help="comma-separated OpInfo name globs (default: every OpInfo)")
-    parser.add_argument("--max-samples", type=non_negative_int, default=4, help="samples per OpInfo (0: all; default 4)")
+    parser.add_argument("--max-samples", type=non_negative_int, default=4,
+                        help="samples per OpInfo (0: all; default 4)")
 
 
 def run(args) -> int:
