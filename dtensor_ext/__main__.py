@@ -43,7 +43,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m dtensor_ext", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m dtensor_ext",
+                           description="dtensor_ext's command line; `python -m dtensor_ext <command> --help` for each")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     modules = {}
     wanted = (argv if argv is not None else sys.argv[1:])[:1]
