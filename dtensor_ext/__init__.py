@@ -5,6 +5,7 @@ shards is touched unless ``install(upgrade=...)`` asks for it.
 """
 
 import os
+import sys
 
 from dtensor_ext.registry import RegistryEntry, install, is_installed, registry, single_dim_rule, uninstall
 from dtensor_ext.custom_ops import register_custom_op_rule
@@ -20,7 +21,7 @@ install(fast_propagation=True if os.environ.get("DTENSOR_EXT_FAST_PROPAGATION") 
 
 # --- planner= option (dtensor_ext.redistribute.engine): DTensor's redistribution through the planner ---
 def _with_planner(install_rules, uninstall_rules):
-    from dtensor_ext.redistribute import engine
+    """The planner's modules are imported when it is first asked for (not by `import dtensor_ext`)."""
 
     def install(*, planner: bool | None = None, calibration: str | None = None, **options):
         """install(...) of dtensor_ext.registry; planner=True also makes DTensor redistribute along the planner's
@@ -30,11 +31,15 @@ def _with_planner(install_rules, uninstall_rules):
             raise ValueError("install(calibration=...): the calibration file is read by the planner; pass planner=True")
         entries = install_rules(**options)
         if planner is not None:
+            from dtensor_ext.redistribute import engine
+
             engine.enable(calibration=calibration) if planner else engine.disable()
         return entries
 
     def uninstall():
-        engine.disable()
+        engine = sys.modules.get("dtensor_ext.redistribute.engine")  # never imported: never enabled
+        if engine is not None:
+            engine.disable()
         uninstall_rules()
 
     install.__wrapped__, uninstall.__wrapped__ = install_rules, uninstall_rules

@@ -94,7 +94,7 @@ def single_dim_rule(
     op_list = [ops] if isinstance(ops, (OpOverload, str)) else list(ops)
 
     def declare(func: Callable) -> Callable:
-        where = f"{func.__module__}:{inspect.getsourcelines(func)[1]}"
+        where = f"{func.__module__}:{inspect.unwrap(func).__code__.co_firstlineno}"  # the first decorator's line
         for op in op_list:
             name = _op_name(op)
             if name in _SPECS:

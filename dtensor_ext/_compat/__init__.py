@@ -27,7 +27,7 @@ from dtensor_ext._compat.types import (  # noqa: F401
     StridedShard, tensor_meta, TensorMeta, torch_op_names, TORCH_VERSION, TorchDispatchMode, TupleStrategy,
 )
 from dtensor_ext._compat.testing import (  # noqa: F401
-    current_local_tensor_mode, enabled_local_tensor_mode, local_int, local_tensor_values, opinfo_db,
+    current_local_tensor_mode, enabled_local_tensor_mode, local_int, local_int_values, local_tensor_values, opinfo_db,
     outside_dispatch_modes, outside_simulated_ranks, per_simulated_rank, rank_results_combiner,
     set_rank_results_combiner,
 )

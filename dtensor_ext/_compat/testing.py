@@ -30,6 +30,13 @@ def local_int(values: dict[int, int]):
     return torch.SymInt(LocalIntNode(values))
 
 
+def local_int_values(value) -> dict[int, int] | None:
+    """rank -> int for an int that differs between simulated ranks (a SymInt made by `local_int` or by a
+    collective's per-rank sizes); None for any other int."""
+    values = getattr(getattr(value, "node", None), "_local_ints", None)
+    return dict(values) if values is not None else None
+
+
 def local_tensor_values(t: torch.Tensor) -> dict[int, torch.Tensor] | None:
     """rank -> plain tensor for a LocalTensor (one value per simulated rank); None for any other tensor."""
     return dict(t._local_tensors) if isinstance(t, LocalTensor) else None

@@ -18,28 +18,31 @@ import torch.distributed as dist
 from dtensor_ext.redistribute.calibration_file import dtype_name
 from dtensor_ext.autotune.report import ascii_plots, format_report, svg_plots
 from dtensor_ext.autotune.tuner import DEFAULT_SIZES, Autotuner
+from dtensor_ext.tools.arguments import int_list, non_negative_int, output_file, positive_float, positive_int
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def _dtype(text: str) -> str:
     try:
-        values = tuple(int(v) for v in text.split(","))
+        return dtype_name(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers, e.g. 2,2")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers, e.g. 2,2")
-    return values
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a torch dtype name such as float32 or bfloat16") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mesh", type=_int_list, required=True, help="mesh shape, e.g. 2,2 (product = world size)")
-    parser.add_argument("--sizes", type=_int_list, default=DEFAULT_SIZES, help="bytes per rank, comma-separated")
-    parser.add_argument("--dtype", type=dtype_name, default="float32")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=7, help="timed runs per implementation and size")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds any single wait may take")
-    parser.add_argument("--calibration", default="dtensor_ext_calibration.json", help="calibration/cache file")
+    parser.add_argument("--mesh", type=int_list, required=True, help="mesh shape, e.g. 2,2 (product = world size)")
+    parser.add_argument("--sizes", type=int_list, default=DEFAULT_SIZES,
+                        help="message sizes to time, bytes per rank, comma-separated (default: 4 KiB to 1 MiB)")
+    parser.add_argument("--dtype", type=_dtype, default="float32", help="element type of the messages (default float32)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2,
+                        help="untimed runs before the timed ones, per implementation and size (default 2)")
+    parser.add_argument("--runs", type=positive_int, default=7,
+                        help="timed runs per implementation and size (default 7)")
+    parser.add_argument("--timeout", type=positive_float, default=30.0,
+                        help="seconds any single wait may take before the tuner falls back (default 30)")
+    parser.add_argument("--calibration", default="dtensor_ext_calibration.json",
+                        help="calibration/cache file (default dtensor_ext_calibration.json)")
     parser.add_argument("--force", action="store_true", help="benchmark even when the cache has an entry")
-    parser.add_argument("--svg", help="also write the time-vs-size plots to this SVG file")
+    parser.add_argument("--svg", type=output_file, help="also write the time-vs-size plots to this SVG file")
 
 
 def _init_process_group(mesh: tuple[int, ...]) -> None:

@@ -13,6 +13,7 @@ from dtensor_ext.redistribute.plan import format_bytes
 from dtensor_ext.redistribute.placements import parse_ints, parse_placements
 from dtensor_ext.redistribute.picture import plan_svg
 from dtensor_ext.redistribute.planners import OBJECTIVES, PLANNERS, NoFeasiblePlan, plan
+from dtensor_ext.tools.arguments import output_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,12 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--src", required=True, help="source placements, e.g. S0,S0,S0 (R, S<d>, SS<d>x<f>, P(sum))")
     parser.add_argument("--dst", required=True, help="target placements, e.g. S1,S1,S1")
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
-    parser.add_argument("--max-peak-bytes", type=int, default=None, help="cap on any rank's local buffer")
+    parser.add_argument("--max-peak-bytes", type=int, default=None, help="cap, in bytes, on any rank's local buffer during the move (default: none)")
     parser.add_argument("--planners", default=",".join(PLANNERS), help=f"subset of {','.join(PLANNERS)}")
     parser.add_argument("--objective", choices=OBJECTIVES, default="time", help="what the optimal planner minimises")
     parser.add_argument(
-        "--svg", default=None, help="write each plan's per-rank layouts to PREFIX-<planner>.svg (naive, optimal)"
+        "--svg", type=_svg_prefix, default=None, metavar="PREFIX",
+        help="write each plan's per-rank layouts to PREFIX-<planner>.svg (naive, optimal)"
     )
+
+
+def _svg_prefix(text: str) -> str:
+    output_file(text)  # its directory must exist
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

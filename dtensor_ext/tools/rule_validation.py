@@ -18,6 +18,7 @@ import torch
 
 import dtensor_ext
 from dtensor_ext import _compat
+from dtensor_ext.tools.arguments import check_opinfo_globs, name_list, non_negative_int
 from dtensor_ext.tools.opdb_coverage import _DispatchedOps, excluded_reason
 from dtensor_ext.testing import simulated_mesh
 
@@ -104,11 +105,13 @@ def validate(opinfo: str, our_ops: list[str], max_samples: int | None = 4) -> Va
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--ops", type=lambda s: s.split(","), help="comma-separated OpInfo name globs")
-    parser.add_argument("--max-samples", type=int, default=4, help="samples per OpInfo (0: all)")
+    parser.add_argument("--ops", type=name_list, help="comma-separated OpInfo name globs (default: every OpInfo)")
+    parser.add_argument("--max-samples", type=non_negative_int, default=4,
+                        help="samples per OpInfo (0: all; default 4)")
 
 
 def run(args) -> int:
+    check_opinfo_globs(getattr(args, "parser", None), "--ops", args.ops)
     dtensor_ext.install()
     reached = opinfos_reaching_our_ops(args.ops)
     results = [validate(name, ops, args.max_samples or None) for name, ops in reached.items()]

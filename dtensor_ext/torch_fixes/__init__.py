@@ -41,7 +41,7 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
     """Declare `apply() -> undo | None` as the fix called `name` for `ops`."""
 
     def declare(apply: Callable[[], Undo | None]) -> Callable:
-        where = f"{apply.__module__}:{inspect.getsourcelines(apply)[1]}"
+        where = f"{apply.__module__}:{inspect.unwrap(apply).__code__.co_firstlineno}"  # the first decorator's line
         if name in _FIXES:
             raise ValueError(f"torch fix {name!r} is already declared at {_FIXES[name].where}; not declaring {where}")
         _FIXES[name] = TorchFix(name, tuple(ops), why, apply, where)

@@ -104,9 +104,10 @@ def _replicated(spec, where) -> tuple:
 
 def _indices_moved_before_masking(op_call, args, kwargs):
     """Indices whose move to the spec propagation picks would gather them after masking: moved there except for
-    the mask, so that only the masking is left."""
+    the mask, so that only the masking is left. (A mask outgrows its shape only through a step on another mesh dim,
+    so a 1-D mesh is left alone without asking propagation.)"""
     indices = args[1]
-    if not isinstance(indices, DTensor):
+    if not isinstance(indices, DTensor) or indices.device_mesh.ndim == 1:
         return args
     target = _compat.suggested_input_specs(op_call, args, kwargs)[1]
     if not mask_outgrown(indices._spec, target, indices.ndim):
@@ -116,7 +117,10 @@ def _indices_moved_before_masking(op_call, args, kwargs):
 
 
 def _unmasked_if_a_gather_would_outgrow_the_mask(output):
-    """The mask covers the index dims (all but the last, the embedding dim)."""
+    """The mask covers the index dims (all but the last, the embedding dim). An output masked on no mesh dim, or on
+    a 1-D mesh, has no mask a later step could outgrow."""
+    if output.device_mesh.ndim == 1 or not any(isinstance(p, MaskPartial) for p in output.placements):
+        return output
     whole = _compat.DTensorSpec(output.device_mesh, (Replicate(),) * output.device_mesh.ndim,
                                 tensor_meta=output._spec.tensor_meta)
     if not mask_outgrown(output._spec, whole, output.ndim - 1):

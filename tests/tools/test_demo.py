@@ -8,7 +8,13 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import dtensor_ext
-from dtensor_ext.tools.demo import _op_name, check_mesh, demo_config, format_report, run_demo
+from dtensor_ext.__main__ import main
+from dtensor_ext.tools.demo import (
+    DemoReport, JobResult, StepStats, _op_name, check_mesh, demo_config, format_report, run_demo,
+)
+from dtensor_ext.tools.demo_picture import CHAR_W, TOP, W, write_svg
+
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +35,7 @@ def test_collectives_are_counted_and_agree_with_commdebugmode(report):
         assert sum(s.collectives.values()) == s.commdebug_count > 0
         # the dp gradient average is one bucketed all-reduce; sequence parallelism reduce-scatters
         assert s.collectives["all_reduce"] >= 1 and s.collectives["reduce_scatter"] >= 2
-        assert sum(s.payload_bytes.values()) > 0
+        assert sum(s.received_bytes.values()) > 0
 
 
 def test_package_ops_come_from_what_ran(report):
@@ -45,13 +51,44 @@ def test_torch_alone_is_reported(report):
     alone = report.torch_alone
     assert alone is not None and (alone.failure or alone.steps)
     text = format_report(report)
-    assert "torch alone" in text and "max |grad error|" in text
+    assert "torch alone (torchtitan's hand-written plan" in text and "max |grad error|" in text
+    verdict = text.splitlines()[-2]  # what the package added on this torch, from what both jobs did
+    if alone.failure:
+        assert "\n" not in alone.failure and verdict == "  -> the package makes this job run, and match one device"
+    else:
+        assert verdict.startswith("  -> ")
+
+
+def test_report_names_the_policy_and_the_plan_it_produced(report):
+    text = format_report(report)
+    assert "plan from the YAML policy dtensor_ext/models/policies/llama_tp_sp.yaml (+ MoETensorParallel" in text
+    assert report.package.plan and all(f"\n    {line}\n" in text for line in report.package.plan)
+    styles = dict(line.rsplit(": ", 1)[::-1] for line in report.package.plan)
+    assert styles["SequenceParallel()"] == "layers.*.attention_norm, layers.*.ffn_norm, norm"
+    assert styles["MoETensorParallel"] == "layers.*.feed_forward"
 
 
 def test_svg_is_written_and_parses(report):
     root = ET.parse(report.svg).getroot()
     assert root.tag.endswith("svg")
-    assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) >= 2  # sharded and one-device losses
+    assert len(root.findall(f"{SVG}polyline")) >= 2  # sharded and one-device losses
+
+
+def test_svg_labels_stay_off_the_data_and_on_the_canvas(tmp_path):
+    steps = [StepStats(4.0 - i, 4.0 - i, 0.0, {"all_reduce": 3}, {"all_reduce": 70_000 + i}, 3) for i in range(10)]
+    failure = "step 1: RuntimeError: " + "a long message from torch " * 12
+    r = DemoReport((2, 2), demo_config(), False, JobResult(steps), JobResult(failure=failure), {}, 1.0)
+    root = ET.parse(write_svg(r, tmp_path / "d.svg")).getroot()
+    width, height = float(root.get("width")), float(root.get("height"))
+    bars = [e for e in root.iter(f"{SVG}rect") if e.get("fill") == "#1f77b4" and float(e.get("height")) > 10]
+    assert len(bars) == 10 and min(float(b.get("y")) for b in bars) >= TOP  # the tallest bar starts at the plot top
+    texts = list(root.iter(f"{SVG}text"))
+    legends = [t for t in texts if t.text in ("dtensor_ext", "one device", "torch alone")]
+    assert len(legends) == 3 and all(float(t.get("y")) < TOP for t in legends)  # above the plots
+    footer = [t for t in texts if t.get("fill") == "#d62728" and t.text != "torch alone"]
+    assert len(footer) >= 2 and " ".join(t.text for t in footer) == f"torch alone fails at {failure.strip()}"
+    for t in footer:
+        assert float(t.get("x")) + CHAR_W * len(t.text) <= 2 * W and float(t.get("y")) <= height
 
 
 @pytest.mark.parametrize(
@@ -63,9 +100,20 @@ def test_impossible_mesh_is_refused_with_the_reason(shape, message):
         check_mesh(shape, demo_config())
 
 
-def test_cli_rejects_a_malformed_mesh():
-    out = subprocess.run([sys.executable, "-m", "dtensor_ext", "demo", "--mesh", "2,x"], capture_output=True, text=True)
-    assert out.returncode != 0 and "--mesh '2,x'" in out.stderr
+def test_the_default_run_prints_no_traceback_or_warning(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dtensor_ext", "demo", "--steps", "1", "--layers", "1"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
+    assert "torch alone (torchtitan's hand-written plan" in out.stdout and out.stdout.endswith("OK: matches one device\n")
+    ET.parse(tmp_path / "dtensor_ext_demo.svg")
+
+
+def test_exit_status_says_whether_the_job_ran_and_matched(tmp_path, capsys):
+    """torch alone fails on torches whose fp32 `_grouped_mm` meta check refuses the experts: exit status 1."""
+    status = main(["demo", "--no-package", "--steps", "1", "--layers", "1", "--svg", str(tmp_path / "d.svg")])
+    out = capsys.readouterr().out
+    assert ("FAILED at step 1:" in out) == (status == 1) and ("OK: matches one device" in out) == (status == 0)
+    assert "with dtensor_ext" not in out and "torch alone (torchtitan's plan, package uninstalled)" in out
 
 
 def test_torchrun_runs_the_demo_on_four_gloo_ranks(tmp_path):
