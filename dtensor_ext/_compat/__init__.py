@@ -35,10 +35,10 @@ from dtensor_ext._compat.propagation import (  # noqa: F401
     auto_register_variants, clear_sharding_caches, compare_operator, DIRECT_STRATEGY_KINDS,
     dtensor_collective_costs, expand_sharding, full_mesh_strategy_filter, full_single_dim_expansion,
     greedy_redistribution_planned, known_equal, local_shapes, min_cost_selector, op_strategy_func, op_strategy_rows,
-    output_meta_computer, output_tensor_meta, placement_transition_cost, PreparedSingleDimStrategy, propagate_cold,
+    output_tensor_meta, placement_transition_cost, PreparedSingleDimStrategy, propagate_cold,
     propagator, rank_in_mesh, redistribute_costs, register_op_strategy, register_scalar_adjuster,
     register_single_dim, register_view_strategy, registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration,
-    schema_info, set_min_cost_selector, set_output_meta_computer, set_single_dim_expansion, single_dim_even_only,
+    schema_info, set_min_cost_selector, set_single_dim_expansion, single_dim_even_only,
     single_dim_expansion, single_dim_func, single_dim_info_allowing_uneven, snapshot_registration,
     squeeze_dims_variants, torch_strategy_kind, wrap_single_dim_func,
 )
@@ -57,5 +57,5 @@ from dtensor_ext._compat.collectives import (  # noqa: F401
     default_store, flat_collectives, flattened_mesh, group_size, mesh_coordinates_by_rank, process_group_of,
 )
 from dtensor_ext._compat.compile import (  # noqa: F401
-    fake_mode_of, inductor_custom_pass_api, inductor_joint_pass_slot, size_hint,
+    fake_mode_of, inductor_custom_pass_api, inductor_joint_pass_slot, override_meta_kernel, size_hint,
 )

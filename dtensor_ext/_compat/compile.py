@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,3 +42,43 @@ def size_hint(size: Any) -> int:
     except ImportError:  # torch 2.12
         return size.node.hint
     return optimization_hint(size)
+
+
+_META_OVERRIDES: dict[Any, list] = {}
+
+
+def override_meta_kernel(op: torch._ops.OpOverload, make_kernel: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Make ``make_kernel(torch's Python meta kernel of op)`` ``op``'s Meta kernel in both places torch looks:
+    the dispatcher's Meta key (DTensor's propagation, fake tensors) and the op's Python-dispatcher table (what
+    dynamo and AOTAutograd tracing call). The returned undo makes torch's kernel answer again.
+
+    The dispatcher entry is registered once per process and never removed: it forwards to the current override
+    or to torch's kernel. (Fake tensors keep calling a Python Meta kernel after its registration is removed or
+    overridden, in torch 2.13, so swapping registrations would not undo.)"""
+    import warnings
+
+    from torch._C import DispatchKey
+    from torch._decomp import meta_table
+
+    if op not in _META_OVERRIDES:
+        torch_kernel = meta_table[op]
+        current = _META_OVERRIDES[op] = [None]
+
+        def forward(*args, **kwargs):
+            return (current[0] or torch_kernel)(*args, **kwargs)
+
+        namespace, name = op._schema.name.split("::")
+        library = torch.library.Library(namespace, "IMPL")
+        with warnings.catch_warnings():  # the dispatcher warns that a Meta kernel is overridden: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            library.impl(name if op._overloadname == "default" else f"{name}.{op._overloadname}", forward, "Meta")
+        current.append(library)  # kept alive for the process
+        op.py_kernels[DispatchKey.Meta] = forward
+        op._dispatch_cache.clear()
+    current = _META_OVERRIDES[op]
+    current[0] = make_kernel(meta_table[op])
+
+    def undo() -> None:
+        current[0] = None
+
+    return undo
