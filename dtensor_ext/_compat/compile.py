@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,3 +42,101 @@ def size_hint(size: Any) -> int:
     except ImportError:  # torch 2.12
         return size.node.hint
     return optimization_hint(size)
+
+
+_META_OVERRIDES: dict[Any, list] = {}
+
+
+def override_meta_kernel(op: torch._ops.OpOverload, make_kernel: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Make ``make_kernel(torch's Python meta kernel of op)`` ``op``'s Meta kernel in both places torch looks:
+    the dispatcher's Meta key (DTensor's propagation, fake tensors) and the op's Python-dispatcher table (what
+    dynamo and AOTAutograd tracing call). The returned undo makes torch's kernel answer again.
+
+    The dispatcher entry is registered once per process and never removed: it forwards to the current override
+    or to torch's kernel. (Fake tensors keep calling a Python Meta kernel after its registration is removed or
+    overridden, in torch 2.13, so swapping registrations would not undo.)"""
+    import warnings
+
+    from torch._C import DispatchKey
+    from torch._decomp import meta_table
+
+    if op not in _META_OVERRIDES:
+        torch_kernel = meta_table[op]
+        current = _META_OVERRIDES[op] = [None]
+
+        def forward(*args, **kwargs):
+            return (current[0] or torch_kernel)(*args, **kwargs)
+
+        namespace, name = op._schema.name.split("::")
+        library = torch.library.Library(namespace, "IMPL")
+        with warnings.catch_warnings():  # the dispatcher warns that a Meta kernel is overridden: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            library.impl(name if op._overloadname == "default" else f"{name}.{op._overloadname}", forward, "Meta")
+        current.append(library)  # kept alive for the process
+        op.py_kernels[DispatchKey.Meta] = forward
+        op._dispatch_cache.clear()
+    current = _META_OVERRIDES[op]
+    current[0] = make_kernel(meta_table[op])
+
+    def undo() -> None:
+        current[0] = None
+
+    return undo
+
+
+def aot_eager_with_joint_pass(joint_pass: Callable[[torch.fx.Graph], None]) -> Callable:
+    """A dynamo backend doing what torch's ``aot_eager`` does (AOTAutograd, min-cut partitioner, graphs run
+    eagerly) with ``joint_pass`` applied to the joint forward+backward graph before partitioning, and to the
+    inference graph when nothing needs grad: inductor's joint-graph slot, without inductor."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def partition(joint_module, joint_inputs, **kwargs):
+        joint_pass(joint_module.graph)
+        joint_module.recompile()
+        return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+
+    def run_eagerly(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    def inference(gm, example_inputs):
+        joint_pass(gm.graph)
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly, inference_compiler=inference,
+                        partition_fn=partition, keep_inference_input_mutations=True)
+
+
+def swap_dynamo_backend(name: str, backend: Callable) -> Callable[[], None]:
+    """Make ``torch.compile(backend=name)`` use ``backend``; the returned undo puts torch's back."""
+    from torch._dynamo.backends import registry
+
+    previous = registry.lookup_backend(name)
+    registry._COMPILER_FNS[name] = backend
+
+    def undo() -> None:
+        registry._COMPILER_FNS[name] = previous
+
+    return undo
+
+
+def wrap_inductor_entry(wrap: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Make ``torch.compile(backend="inductor")`` call ``wrap(torch's compile_fx)`` (looked up at every compile),
+    which runs on every inductor compile, cache hits included; the returned undo puts torch's back."""
+    from torch._inductor import compile_fx as module
+
+    previous = module.compile_fx
+    module.compile_fx = wrap(previous)
+
+    def undo() -> None:
+        module.compile_fx = previous
+
+    return undo
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache directory (TORCHINDUCTOR_CACHE_DIR or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()

@@ -71,10 +71,13 @@ def suggested_input_specs(op_call: OpOverload, args: tuple, kwargs: dict) -> tup
 
 
 def redistribution_steps(source: Any, target: Any) -> list[tuple[int, Any, Any]]:
-    """(mesh dim, from, to) for each step of torch's plan moving a tensor from spec `source` to spec `target`."""
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    """(mesh dim, from, to) for each step of torch's plan moving a tensor from spec `source` to spec `target`.
+    While tracing for compile the specs may hold symbolic sizes, which the cached planner cannot hash: torch's own
+    redistribution plans without its cache then, and so does this."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, _gen_transform_infos_non_cached
 
-    return [(step.mesh_dim, *step.src_dst_placements) for step in _gen_transform_infos(source, target)]
+    plan = _gen_transform_infos_non_cached if tracing_for_compile() else _gen_transform_infos
+    return [(step.mesh_dim, *step.src_dst_placements) for step in plan(source, target)]
 
 
 def redistribution_transforms(source: Any, target: Any) -> list[tuple[tuple[int, ...], Any, Any]]:

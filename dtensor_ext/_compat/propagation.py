@@ -463,19 +463,6 @@ def schema_info(op: OpOverload) -> RuntimeSchemaInfo | None:
     return prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)
 
 
-def output_meta_computer() -> Callable:
-    """The function DTensor's propagator calls to derive an op's global output metadata from fake inputs."""
-    return propagator()._propagate_tensor_meta_non_cached
-
-
-def set_output_meta_computer(compute: Callable | None) -> None:
-    """Make `compute(op_schema)` the propagator's output-metadata function (None: back to its class's own)."""
-    if compute is None:
-        vars(propagator()).pop("_propagate_tensor_meta_non_cached", None)
-    else:
-        propagator()._propagate_tensor_meta_non_cached = compute
-
-
 def placement_transition_cost() -> Callable | None:
     """torch's ``(src, dst, topo, mesh_dim, gb) -> (cost, gb after)`` for one step of a plan (2.13+), else None;
     fast propagation prices greedy's plan with it without re-planning."""

@@ -54,6 +54,7 @@ class SequenceParallelReport:
     seconds: float = 0.0  # the pass's own runtime
     guards: list[str] = field(default_factory=list)  # conditions on symbolic token counts the rewrite relies on
     sliced: list[str] = field(default_factory=list)  # full-token operands, the same on every rank, sliced locally
+    from_cache: bool = False  # the compile was answered from inductor's cache: this is the report that filled it
 
     def summary(self) -> str:
         pats = ", ".join(f"{p}={self.patterns[p]}" for p in PATTERNS if self.patterns[p])
@@ -62,6 +63,7 @@ class SequenceParallelReport:
             f" ({pats or 'none'}), {self.all_gathers} all_gather inserted"
             + (f", {self.token_sums} token sums all_reduced" if self.token_sums else "")
             + (f", {len(self.sliced)} whole operands sliced" if self.sliced else "")
+            + (" (from inductor's cache)" if self.from_cache else "")
         ]
         lines += [f"  guarded: {guard}" for guard in dict.fromkeys(self.guards)]
         lines += [f"  gathered before: {reason}" for reason in self.boundaries]

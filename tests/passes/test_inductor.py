@@ -79,3 +79,36 @@ def test_uuid_follows_token_local_and_gather_point_registrations():
         GATHER_POINTS.update(saved_points)
     assert len({first, as_elementwise, as_add, with_gather_point}) == 4
     assert SequenceParallelPass().uuid() == first
+
+
+def test_warm_cache_carries_the_rewrite_iff_installed_and_keeps_reports(tmp_path, monkeypatch):
+    """Inductor's FX graph cache, warm from a compile with the pass installed: the same compile again is answered
+    from the cache with the rewrite in its code and the report of the compile that filled it; without the pass
+    the cache key differs and the code keeps its all_reduces."""
+    from dtensor_ext.passes import install_sequence_parallel
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with simulated_mesh((WORLD,)) as mesh, active_mode().disable():
+        group = mesh.get_group().group_name
+
+        def block(e, ln, w1, w2):
+            h = all_reduce(e, group)
+            h = h + all_reduce(torch.nn.functional.silu(rms(h, ln) @ w1) @ w2, group)
+            return rms(h, ln)
+
+        def compile_once():
+            torch.compiler.reset()
+            settings = {"fx_graph_cache": True, "force_disable_caches": False}
+            with inductor_config.patch(settings):
+                return run_and_get_code(torch.compile(block, fullgraph=True), EMBED[0], LN, W1[0], W2[0])[1][0]
+
+        codes, reports = [], []
+        for _ in range(2):
+            with install_sequence_parallel() as sp:
+                codes.append(compile_once())
+            reports.append(sp.reports)
+        codes.append(compile_once())
+    assert [r.converted for rs in reports for r in rs] == [2, 2]
+    assert [r.from_cache for rs in reports for r in rs] == [False, True]
+    assert all("reduce_scatter_tensor" in c and "all_reduce" not in c for c in codes[:2])
+    assert "all_reduce" in codes[2] and "reduce_scatter_tensor" not in codes[2]

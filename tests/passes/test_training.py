@@ -85,6 +85,25 @@ sequence_parallel: 6/6 all_reduce -> reduce_scatter (P1=4, P3=2), 6 all_gather i
 sequence_parallel: 3/3 all_reduce -> reduce_scatter (P1=1, P3=2), 3 all_gather inserted""")
 
 
+def test_install_rewrites_under_aot_eager_and_refuses_eager(fake_group):
+    """The same joint and inference graphs under backend="aot_eager" (AOTAutograd without inductor); "eager", which
+    builds no AOTAutograd graph, is refused while the pass is installed, and both backends are torch's again after."""
+    torch.compiler.reset()
+    params = [v[0] if isinstance(v, list) else v for v in (EMBED, LN, W1, W2, HEAD)]
+    with install_sequence_parallel() as sp:
+        loss_fn = torch.compile(lambda *args: tp_loss(*args, fake_group), fullgraph=True, backend="aot_eager")
+        loss_fn(*(p.clone().requires_grad_() for p in params)).backward()
+        with torch.no_grad():
+            loss_fn(*params)
+        with pytest.raises(Exception, match="backend 'eager' never runs AOTAutograd"):
+            torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    assert_expected_inline("\n".join(r.summary() for r in sp.reports), """\
+sequence_parallel: 6/6 all_reduce -> reduce_scatter (P1=4, P3=2), 6 all_gather inserted, 3 token sums all_reduced
+sequence_parallel: 3/3 all_reduce -> reduce_scatter (P1=1, P3=2), 3 all_gather inserted""")
+    torch.compiler.reset()
+    assert torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
 def test_compiled_training_on_two_gloo_ranks_matches_one_device():
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "examples/sequence_parallel_training.py", "--world", "2", "--layers", "1", "--seq", "16"]

@@ -137,3 +137,35 @@ def test_a_mask_on_the_only_sharded_index_free_layout_stays_deferred(restore_ins
                 out = F.embedding(dindex, dweight)
             assert comm.get_total_counts() == 0 and any(p.is_partial() for p in out.placements)
             assert agrees(out, F.embedding(index, weight))
+
+
+def _compiled_vocab_parallel_embedding(rank: int) -> tuple[int, list[bool]]:
+    """A vocab-parallel nn.Embedding (RowwiseParallel) compiled with dynamic=True, called with three sequence
+    lengths: (graphs compiled, whether each output equals one device)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(16, 8)
+    weight = embedding.weight.detach().clone()
+    parallelize_module(embedding, init_device_mesh("cpu", (2,)), RowwiseParallel(input_layouts=Replicate()))
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(embedding, backend=backend, dynamic=True)
+    equal = []
+    for length in (5, 7, 9):
+        ids = torch.randint(0, 16, (2, length))
+        equal.append(torch.allclose(compiled(ids), F.embedding(ids, weight)))  # a replicated plain output
+    return len(graphs), equal
+
+
+def test_compiled_vocab_parallel_embedding_with_dynamic_sequence_lengths():
+    """Symbolic sequence lengths reach the embedding fixes' redistribution planning (unhashable SymInts before)."""
+    from tests.autotune.ranks import run_ranks
+
+    results = run_ranks(_compiled_vocab_parallel_embedding, world=2, timeout_s=200)
+    assert results == {rank: (1, [True, True, True]) for rank in range(2)}

@@ -90,3 +90,52 @@ def test_float32_grouped_mm_of_dtensors(fix_state):
         out = aten._grouped_mm(*args)
         assert out.placements == (Shard(1),)
         torch.testing.assert_close(out.full_tensor(), expected)
+
+
+def test_float32_grouped_mm_with_16_byte_rows(fix_state):
+    """K = 4 float32 columns are 16-byte rows, which the CPU kernel accepts (a bfloat16 stand-in would see 8)."""
+    a, b = sample_tensor((6, 4)), sample_tensor((2, 4, 4), seed=1)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    expected = aten._grouped_mm(a, b, offs)
+    defect = _torch_alone_has_the_defect(fix_state, "aten::_grouped_mm.default")
+    with simulated_mesh((2,)) as mesh:
+        args = (distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Replicate()]),
+                distribute_tensor(offs, mesh, [Replicate()]))
+        if defect:
+            with pytest.raises(RuntimeError, match="BF16|BFloat16"):
+                aten._grouped_mm(*args)
+            return
+        torch.testing.assert_close(aten._grouped_mm(*args).full_tensor(), expected)
+
+
+@pytest.mark.parametrize("dtype, k", [(torch.float32, 3), (torch.float16, 4)])
+def test_grouped_mm_meta_refuses_what_the_cpu_kernel_refuses(dtype, k):
+    """Rows of 12 bytes (float32) or 8 bytes (float16) are refused by the CPU kernel, and so by the meta kernel."""
+    a, b = torch.ones(6, k, dtype=dtype), torch.ones(2, k, 8, dtype=dtype)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        aten._grouped_mm(a, b, offs)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        aten._grouped_mm(a.to("meta"), b.to("meta"), offs.to("meta"))
+
+
+def test_compiled_float32_grouped_mm_with_symbolic_sizes(fix_state):
+    """Under torch.compile the op runs on fake tensors with symbolic sizes (dynamo's Python dispatcher): the fix
+    holds there too, and a second token count reuses the graph."""
+    torch._dynamo.reset()
+    defect = _torch_alone_has_the_defect(fix_state, "aten::_grouped_mm.default")
+    b, graphs = sample_tensor((2, 4, 8), seed=1), []
+
+    def backend(graph, example_inputs):  # dynamo's own fake-tensor trace, counted
+        graphs.append(graph)
+        return graph.forward
+
+    experts = torch.compile(lambda a, offs: aten._grouped_mm(a, b, offs).relu(), backend=backend, dynamic=True)
+    for tokens in (6, 10):
+        a, offs = sample_tensor((tokens, 4)), torch.tensor([2, tokens], dtype=torch.int32)
+        if defect:
+            with pytest.raises(Exception, match="BF16|BFloat16"):
+                experts(a, offs)
+            return
+        torch.testing.assert_close(experts(a, offs), aten._grouped_mm(a, b, offs).relu())
+    assert len(graphs) == 1
