@@ -57,5 +57,5 @@ from dtensor_ext._compat.collectives import (  # noqa: F401
     default_store, flat_collectives, flattened_mesh, group_size, mesh_coordinates_by_rank, process_group_of,
 )
 from dtensor_ext._compat.compile import (  # noqa: F401
-    fake_mode_of, inductor_custom_pass_api, inductor_joint_pass_slot, size_hint,
+    fake_mode_of, fake_tensor_mode, inductor_custom_pass_api, inductor_joint_pass_slot, size_hint,
 )
