@@ -204,13 +204,15 @@ def _backward(outs, dts, mesh, mesh_dim):
     pairs = [(o, _as_dtensor(o, mesh, mesh_dim, Replicate() if o.placements[mesh_dim].is_partial()
                              else o.placements[mesh_dim], False))
              for o in outs if o.requires_grad and o.is_floating_point()]
-    if not pairs:
+    wanted = [d for d in dts if d.requires_grad]
+    if not pairs or not wanted:
         return tuple(None for _ in dts)
     with CommDebugMode() as comm:
-        grads = torch.autograd.grad([o for o, _ in pairs], dts, [g for _, g in pairs], allow_unused=True)
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
     if comm.get_total_counts():
         return f"DTensor's backward communicates ({_counts(comm)})"
-    return tuple(g.placements[mesh_dim] if isinstance(g, DTensor) else None for g in grads)
+    by_id = {id(d): g for d, g in zip(wanted, grads)}
+    return tuple(by_id[id(d)].placements[mesh_dim] if isinstance(by_id.get(id(d)), DTensor) else None for d in dts)
 
 
 def _counts(comm: CommDebugMode) -> str:
