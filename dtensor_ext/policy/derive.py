@@ -123,9 +123,12 @@ class CandidateCache:
         self.cache: dict[tuple, NodeOptions] = {}
 
     def options(self, node: OpNode, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
-        key = (mesh_dim, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands)
+        """Mesh dims of the same size share candidates: they are found on the first of them."""
+        size = self.mesh.size(mesh_dim)
+        key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands)
         if key not in self.cache:
-            self.cache[key] = enumerate_candidates(node, self.mesh, mesh_dim, param_operands)
+            first = next(d for d in range(self.mesh.ndim) if self.mesh.size(d) == size)
+            self.cache[key] = enumerate_candidates(node, self.mesh, first, param_operands)
         return self.cache[key]
 
 

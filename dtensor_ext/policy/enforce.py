@@ -52,7 +52,10 @@ def _replace(value, table: dict[int, object]):
 def _full(value):
     """DTensors in a model's output (tuples, lists, dicts such as Hugging Face's ModelOutput) -> full tensors."""
     if isinstance(value, DTensor):
-        return value.full_tensor()
+        full = value.full_tensor()
+        if full.requires_grad:  # a loss's expanded (stride-0) gradient cannot be viewed as a shard in DTensor
+            full.register_hook(torch.Tensor.contiguous)
+        return full
     if isinstance(value, dict):
         for key in list(value.keys()):
             value[key] = _full(value[key])
@@ -68,6 +71,7 @@ class PlanExecutor:
         self.mesh = plan.mesh
         self.position = 0
         self.running = False
+        self.reduced: dict[int, tuple[DTensor, DTensor]] = {}  # id(partial value) -> (it, its first reduction)
         self.mode = _PlanMode(self)
 
     def install(self, model: torch.nn.Module) -> None:
@@ -97,7 +101,7 @@ class PlanExecutor:
     def _run_from(self, position: int, forward, args, kwargs):
         if self.running:
             return forward(*args, **kwargs)
-        self.position, self.running = position, True
+        self.position, self.running, self.reduced = position, True, {}
         try:
             with self.mode:
                 return forward(*args, **kwargs)
@@ -119,6 +123,19 @@ class PlanExecutor:
                         requires_grad=param.requires_grad)
                 module._parameters[name] = done[id(param)]
 
+    def _move(self, d: DTensor, target: list) -> DTensor:
+        """Redistribute; a Partial value read by several ops is reduced once (DTensor's masked partials, e.g. a
+        vocab-sharded embedding's, can be reduced only once), later readers start from that reduction."""
+        if list(d.placements) == target:
+            return d
+        if not any(p.is_partial() for p in d.placements):
+            return d.redistribute(d.device_mesh, target)
+        if id(d) in self.reduced:
+            return self._move(self.reduced[id(d)][1], target)
+        moved = d.redistribute(d.device_mesh, target)
+        self.reduced[id(d)] = (d, moved)
+        return moved
+
     def run(self, k: int, func, args, kwargs):
         op = self.plan.ops[k]
         operands = _tensors_unique((args, kwargs))
@@ -129,21 +146,48 @@ class PlanExecutor:
         table = {}
         for t, target in zip(operands, op.inputs):
             d = t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, replicate, run_check=False)
-            table[id(t)] = _move(d, replicate if op.local else list(target))
+            table[id(t)] = self._move(d, replicate if op.local else list(target))
         if op.local:
             out = func(*_replace(args, {i: d.to_local() for i, d in table.items()}),
                        **_replace(kwargs, {i: d.to_local() for i, d in table.items()}))
             return _wrap_outputs(out, self.mesh)
         out = func(*_replace(args, table), **_replace(kwargs, table))
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        for o in outs:
+            if isinstance(o, DTensor) and o.requires_grad:
+                o.register_hook(_contiguous_gradient)
         for o, planned in zip(outs, op.outputs):
-            if isinstance(o, DTensor) and tuple(o.placements) != planned:
+            if isinstance(o, DTensor) and list(map(_kind, o.placements)) != list(map(_kind, planned)):
                 self.plan.deviations.append(f"{op.node}: output {tuple(o.placements)}, planned {planned}")
         return out
 
 
-def _move(d: DTensor, target: list) -> DTensor:
-    return d if list(d.placements) == target else d.redistribute(d.device_mesh, target)
+
+
+def _contiguous_gradient(grad):
+    """Gradients in a contiguous layout, locally and globally. DTensor's redistribute backward can return a
+    gradient whose global strides (the forward value's, e.g. transposed) disagree with its shard's (contiguous after
+    a collective); a later view's backward then fails in the local kernel."""
+    if not isinstance(grad, DTensor):
+        return None
+    local = grad.to_local()
+    if local.is_contiguous() and grad.stride() == _contiguous_strides(grad.shape):
+        return None
+    return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements, run_check=False,
+                              shape=grad.shape, stride=_contiguous_strides(grad.shape))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _kind(p) -> tuple:
+    """A placement without its run-time state (a masked partial's mask)."""
+    return type(p).__name__, getattr(p, "dim", None), getattr(p, "reduce_op", None)
 
 
 def _wrap_outputs(out, mesh):
