@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtensor_ext._compat import fake_tensor_mode, outside_simulated_ranks
+from dtensor_ext._compat import fake_tensor_mode, outside_dispatch_modes, outside_simulated_ranks
 from dtensor_ext.policy.graph_view import OpNode
 
 __all__ = ["Candidate", "NodeOptions", "enumerate_candidates", "operand_tensors"]
@@ -128,8 +128,18 @@ class CandidateCache:
         key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands)
         if key not in self.cache:
             first = next(d for d in range(self.mesh.ndim) if self.mesh.size(d) == size)
-            self.cache[key] = enumerate_candidates(node, self.mesh, first, param_operands)
+            mesh, dim = self._one_dim(first)
+            self.cache[key] = enumerate_candidates(node, mesh, dim, param_operands)
         return self.cache[key]
+
+    def _one_dim(self, mesh_dim: int) -> tuple[DeviceMesh, int]:
+        """The 1-D mesh of a named mesh dim (DTensor propagates on it several times faster than on the whole
+        mesh with Replicate elsewhere, with the same candidates); the whole mesh where dims have no names."""
+        names = self.mesh.mesh_dim_names
+        if self.mesh.ndim == 1 or not names:
+            return self.mesh, mesh_dim
+        with outside_simulated_ranks():
+            return self.mesh[names[mesh_dim]], 0
 
 
 def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
@@ -139,7 +149,7 @@ def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_op
     operands = operand_tensors(node)
     options = [_placements(t, size, k in param_operands) for k, t in enumerate(operands)]
     candidates, tried = [], {}
-    with outside_simulated_ranks(), fake_tensor_mode() as fake:
+    with outside_simulated_ranks(), outside_dispatch_modes(), fake_tensor_mode() as fake:
         fakes = [fake.from_tensor(t) for t in operands]
         flops, nbytes = _work(node, operands, fakes)
         for combo in _combinations(options):
