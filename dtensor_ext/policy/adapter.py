@@ -196,14 +196,14 @@ def build_plan(
     elif policy is not None:
         requirements, recompute_ids, stage_ids, hooks = _requirements_from_policy(
             graph, mesh, policy, cfg if cfg is not None else PolicyConfig(mesh))
+    regions, stages = recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids)
     ops, params, cost = _derive(graph, mesh, requirements, cost_model or IdealCostModel())
     if all(_replicated(p) for p in params.values()) and all(
             _replicated(p) for op in ops for p in (*op.inputs, *op.outputs)):
         raise PolicyError("build_plan", "<plan>", "every op and parameter replicated",
                           "a plan that partitions something: the constraints and the cost model keep the whole "
                           "model replicated (nothing to parallelize)")
-    return Plan(mesh, graph, ops, params, recompute_regions(graph, recompute_ids),
-                stage_boundaries(graph, stage_ids), hooks, cost, time.perf_counter() - start)
+    return Plan(mesh, graph, ops, params, regions, stages, hooks, cost, time.perf_counter() - start)
 
 
 def _trace_outside_simulation(model, example_inputs) -> GraphView:
@@ -306,6 +306,9 @@ def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callab
         planned.add(node.index)
         dims = _mesh_dims(mesh, plan.mesh_dim, where)
         if isinstance(plan.partition, OpPartition):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (plan.partition.input,
+                                                                                  plan.partition.dim)):
+                raise PolicyError(where, "partition", plan.partition, "OpPartition with integer input and dim")
             shown = str(plan.partition)
             slot = _slot(node, plan.partition.input, plan.partition.dim, where, "partition", shown)
             found[node.index] = Requirement((slot,), False, dims, where, (shown,))
@@ -351,7 +354,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
             requirement = requirements.get(node.index)
             if requirement is not None and m in requirement.mesh_dims:
                 kept = [c for c in found.candidates if requirement.admits(c)]
-                if not kept:
+                if not kept and not (requirement.replica_allowed and not found.candidates):
                     raise _unmet(node, requirement, found, mesh, m)
             else:
                 kept = found.candidates
