@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode
 from dtensor_ext.policy.constraints import Constraint, load_constraints
-from dtensor_ext.policy.derive import Candidate, CandidateCache, NodeOptions, operand_tensors
+from dtensor_ext.policy.derive import Candidate, CandidateCache, NodeOptions, is_inplace, operand_tensors
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
@@ -359,6 +359,10 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
             else:
                 kept = found.candidates
             if not kept:
+                if is_inplace(node):
+                    raise PolicyError(str(node), "op", node.signature,
+                                      "an in-place op DTensor can run (it has no sharding rule for these inputs, and "
+                                      "writing into a gathered copy would leave the original unchanged)")
                 local.add(node.index)
                 kept = [_replicated_candidate(node)]
             options.append([(c.inputs, c.outputs, c.grads, _compute_s(found, c, mesh.size(m))) for c in kept])
@@ -375,7 +379,10 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
         for node in graph.nodes:
             for slot, tid in enumerate(node.operand_ids):
                 u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
-                edges.append((u, o, node.index, slot, _pricer(graph.tensors[tid], model, m, mesh.size(m))))
+                price = _pricer(graph.tensors[tid], model, m, mesh.size(m))
+                if slot == 0 and is_inplace(node):
+                    price = _unmoved(price)
+                edges.append((u, o, node.index, slot, price))
         sink = len(options)
         options.append([((Replicate(),), (), (None,), 0.0)])
         for tid in graph.outputs:
@@ -448,6 +455,13 @@ def _pricer(value: torch.Tensor, model, mesh_dim: int, ranks: int):
         return None if back is None else forward + back
 
     return price
+
+
+def _unmoved(price):
+    """An in-place op writes the value it reads: it must read it where it is (a moved copy would take the write)."""
+    def same_place(p, q, g):
+        return price(p, q, g) if p == q else None
+    return same_place
 
 
 def _unmet(node: OpNode, requirement: Requirement, found: NodeOptions, mesh: DeviceMesh, m: int) -> PolicyError:

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dtensor_ext._compat import fake_tensor_mode, outside_dispatch_modes, outside_simulated_ranks
 from dtensor_ext.policy.graph_view import OpNode
 
-__all__ = ["Candidate", "NodeOptions", "enumerate_candidates", "operand_tensors"]
+__all__ = ["Candidate", "NodeOptions", "enumerate_candidates", "is_inplace", "operand_tensors"]
 
 # Beyond this many input combinations, only those with at most two non-replicated inputs, plus the ones that shard
 # every input of the same rank alike, are tried (attention's q, k, v by heads).
@@ -53,6 +53,12 @@ class NodeOptions:
     flops: int
     nbytes: int
     tried: dict  # input placements -> why they were refused (a collective DTensor needed, or its error)
+
+
+def is_inplace(node: OpNode) -> bool:
+    """The op writes its first input (``x.add_(y)``, ``x /= y``)."""
+    name = getattr(node.fn, "__name__", "")
+    return name.startswith("__i") and name.endswith("__") or (name.endswith("_") and not name.startswith("_"))
 
 
 def operand_tensors(node: OpNode) -> list[torch.Tensor]:
@@ -194,9 +200,10 @@ def _as_dtensor(fake_global, mesh, mesh_dim, placement, grad: bool):
 def _try(node: OpNode, mesh, mesh_dim, operands, fakes, combo) -> Candidate | str:
     grads_wanted = [f.is_floating_point() for f in fakes]
     dts = [_as_dtensor(f, mesh, mesh_dim, p, g) for f, p, g in zip(fakes, combo, grads_wanted)]
-    table = {id(t): d for t, d in zip(operands, dts)}
     try:
         with torch.enable_grad(), CommDebugMode() as comm:
+            # non-leaf copies, so that in-place ops may write to them as they write to activations
+            table = {id(t): d.clone() if d.requires_grad else d for t, d in zip(operands, dts)}
             out = node.fn(*_replace(node.args, table), **_replace(node.kwargs, table))
         if comm.get_total_counts():
             return f"DTensor communicates ({_counts(comm)})"

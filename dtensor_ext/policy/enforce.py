@@ -1,7 +1,8 @@
 """Run a solved Plan: parameters distributed as solved, every traced op run on DTensors at the solved placements.
 
 A TorchFunctionMode active while the model's forward runs meets the same torch-level calls the trace recorded, in
-the same order. For the k-th recorded op it turns plain-tensor inputs into replicated DTensors (a plain tensor
+the same order (an op the trace did not see, such as an autograd hook's, runs unplanned on DTensors and is listed
+in ``plan.deviations``). For the k-th recorded op it turns plain-tensor inputs into replicated DTensors (a plain tensor
 holds the same value on every rank), redistributes every input to the placements the plan chose and lets DTensor
 run the op: DTensor's own propagation then produces the planned output placements and, forward and backward, the
 values one device computes. The model's outputs come back as full tensors.
@@ -215,9 +216,7 @@ class _PlanMode(TorchFunctionMode):
             ex.position += 1
             return ex.run(k, func, args, kwargs)
         out = func(*args, **kwargs)
-        if _flatten(out):
-            expected = str(nodes[k]) if k < len(nodes) else "no more ops"
-            raise PolicyError("running the plan", "op", getattr(func, "__name__", repr(func)),
-                              f"the traced op sequence ({expected} next): the model ran an op the trace did not "
-                              "see (different inputs or control flow); build the plan with inputs like these")
+        if _flatten(out):  # an op the trace did not see (autograd hooks, other inputs): DTensor runs it unplanned
+            ex.plan.deviations.append(f"unplanned {getattr(func, '__name__', func)} before "
+                                      f"{nodes[k] if k < len(nodes) else 'the end'}")
         return out
