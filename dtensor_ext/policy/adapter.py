@@ -62,8 +62,9 @@ class Requirement:
     allowed: tuple[tuple[int, int], ...]  # (operand slot, tensor dim); empty: replicated only
     replica_allowed: bool
     mesh_dims: tuple[int, ...]
-    source: str
+    source: str  # the entry or OpPlan, and the op
     shown: tuple[str, ...]  # the "input,dim" texts as the user wrote them
+    field: str = "allowed_partition_dims"
 
     def admits(self, c: Candidate) -> bool:
         if self.replica_allowed and c.replicated:
@@ -243,6 +244,7 @@ def _slot(node: OpNode, index: int, dim: int, where: str, field_name: str, shown
 def _requirements_from_constraints(graph: GraphView, mesh: DeviceMesh, constraints: list[Constraint],
                                    warn_unused: bool) -> dict[int, Requirement]:
     found: dict[int, Requirement] = {}
+    origin: dict[int, str] = {}
     for c in constraints:
         dims = _mesh_dims(mesh, c.mesh_dim, c.source)
         named = [n for n in graph.nodes if c.name in n.names]
@@ -266,11 +268,12 @@ def _requirements_from_constraints(graph: GraphView, mesh: DeviceMesh, constrain
                 continue
             if node.index in found:
                 raise PolicyError(c.source, "name", c.name, f"one constraint per op; {node} is already constrained "
-                                                            f"by {found[node.index].source}")
+                                                            f"by {origin[node.index]}")
             shown = tuple(f"{i},{d}" for i, d in c.allowed_partition_dims)
             allowed = tuple(_slot(node, i, d, c.source, "allowed_partition_dims", s)
                             for (i, d), s in zip(c.allowed_partition_dims, shown))
-            found[node.index] = Requirement(allowed, c.replica_allowed, dims, c.source, shown)
+            found[node.index] = Requirement(allowed, c.replica_allowed, dims, f"{c.source}: {node}", shown)
+            origin[node.index] = c.source
     return found
 
 
@@ -311,9 +314,9 @@ def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callab
                 raise PolicyError(where, "partition", plan.partition, "OpPartition with integer input and dim")
             shown = str(plan.partition)
             slot = _slot(node, plan.partition.input, plan.partition.dim, where, "partition", shown)
-            found[node.index] = Requirement((slot,), False, dims, where, (shown,))
+            found[node.index] = Requirement((slot,), False, dims, where, (shown,), "partition")
         elif plan.partition is None:
-            found[node.index] = Requirement((), True, dims, where, ())
+            found[node.index] = Requirement((), True, dims, where, (), "partition")
         elif plan.partition != "auto":
             raise PolicyError(where, "partition", plan.partition, "OpPartition(input, dim), 'auto' or None")
         if plan.recompute_id >= 0:
@@ -470,7 +473,7 @@ def _unmet(node: OpNode, requirement: Requirement, found: NodeOptions, mesh: Dev
     for shown, (slot, dim) in zip(requirement.shown, requirement.allowed):
         refusals = [why for combo, why in found.tried.items() if combo[slot] == Shard(dim)]
         if refusals:
-            reasons.append(f"input {shown.split(',')[0]} sharded on dim {dim}: {refusals[0]}")
+            reasons.append(f"input {shown.split(',')[0]} sharded on dim {dim}: {refusals[0].rstrip('.')}")
         else:
             reasons.append(f"input {shown.split(',')[0]} dim {dim} (size "
                            f"{operand_tensors(node)[slot].shape[dim]}) cannot be split evenly over {mesh.size(m)} ranks")
@@ -478,8 +481,7 @@ def _unmet(node: OpNode, requirement: Requirement, found: NodeOptions, mesh: Dev
                       if c.inputs[k].is_shard()})
     names = mesh.mesh_dim_names
     on = f" on mesh dim {names[m] if names else m}"
-    return PolicyError(f"{requirement.source}: {node}", "allowed_partition_dims" if requirement.shown else "partition",
-                       list(requirement.shown) or None,
+    return PolicyError(requirement.source, requirement.field, list(requirement.shown) or None,
                        f"a partition DTensor runs without communicating{on}; " + "; ".join(reasons or [
                            "it cannot run replicated here"]) + f". Operand shards DTensor allows: "
                        f"{', '.join(allowed) or 'none (only replicated)'}")
