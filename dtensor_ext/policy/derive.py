@@ -100,7 +100,11 @@ def _key_of(value):
         return ("dict", tuple((k, _key_of(v)) for k, v in value.items()))
     if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, slice, type(Ellipsis))):
         return repr(value)
-    return ("obj", id(value))
+    raise _Uncacheable  # an argument whose value a key cannot capture: enumerate the op for itself
+
+
+class _Uncacheable(Exception):
+    pass
 
 
 def _placements(t: torch.Tensor, size: int, is_param: bool) -> list:
@@ -121,21 +125,28 @@ def _combinations(options: list[list]) -> list[tuple]:
     return list(dict.fromkeys(few + alike))
 
 
+# Candidates depend on the op, its inputs' shapes and arguments and the mesh dim's size only: kept for the process.
+_FOUND: dict[tuple, NodeOptions] = {}
+
+
 class CandidateCache:
-    """Candidates per (mesh dim, op, input shapes and arguments): each repeated layer is enumerated once."""
+    """Candidates per (mesh dim size, op, input shapes and arguments): each repeated layer is enumerated once, and
+    again never in this process."""
 
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
-        self.cache: dict[tuple, NodeOptions] = {}
+        self.cache = _FOUND
 
     def options(self, node: OpNode, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
         """Mesh dims of the same size share candidates: they are found on the first of them."""
         size = self.mesh.size(mesh_dim)
-        key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands)
+        first = next(d for d in range(self.mesh.ndim) if self.mesh.size(d) == size)
+        try:
+            key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands)
+        except _Uncacheable:
+            return enumerate_candidates(node, *self._one_dim(first), param_operands)
         if key not in self.cache:
-            first = next(d for d in range(self.mesh.ndim) if self.mesh.size(d) == size)
-            mesh, dim = self._one_dim(first)
-            self.cache[key] = enumerate_candidates(node, mesh, dim, param_operands)
+            self.cache[key] = enumerate_candidates(node, *self._one_dim(first), param_operands)
         return self.cache[key]
 
     def _one_dim(self, mesh_dim: int) -> tuple[DeviceMesh, int]:
