@@ -475,8 +475,9 @@ def _unmet(node: OpNode, requirement: Requirement, found: NodeOptions, mesh: Dev
         if refusals:
             reasons.append(f"input {shown.split(',')[0]} sharded on dim {dim}: {refusals[0].rstrip('.')}")
         else:
-            reasons.append(f"input {shown.split(',')[0]} dim {dim} (size "
-                           f"{operand_tensors(node)[slot].shape[dim]}) cannot be split evenly over {mesh.size(m)} ranks")
+            size = operand_tensors(node)[slot].shape[dim]
+            reasons.append(f"input {shown.split(',')[0]} dim {dim} (size {size}) cannot be split evenly over "
+                           f"{mesh.size(m)} ranks")
     allowed = sorted({f"{k},{c.inputs[k].dim}" for c in found.candidates for k in range(len(c.inputs))
                       if c.inputs[k].is_shard()})
     names = mesh.mesh_dim_names

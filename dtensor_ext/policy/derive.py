@@ -22,7 +22,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtensor_ext._compat import fake_tensor_mode, outside_dispatch_modes, outside_simulated_ranks
-from dtensor_ext.policy.graph_view import OpNode
+from dtensor_ext.policy.graph_view import OpNode, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["Candidate", "NodeOptions", "enumerate_candidates", "is_inplace", "operand_tensors"]
 
@@ -63,32 +63,7 @@ def is_inplace(node: OpNode) -> bool:
 
 def operand_tensors(node: OpNode) -> list[torch.Tensor]:
     """The traced tensors an op read, in the order of node.operand_ids (each object once)."""
-    seen, found = set(), []
-    for t in _tensors(node.args) + _tensors(node.kwargs):
-        if id(t) not in seen:
-            seen.add(id(t))
-            found.append(t)
-    return found
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def _replace(value, table: dict[int, object]):
-    if isinstance(value, torch.Tensor):
-        return table.get(id(value), value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_replace(v, table) for v in value)
-    if isinstance(value, dict):
-        return {k: _replace(v, table) for k, v in value.items()}
-    return value
+    return unique_tensors((node.args, node.kwargs))
 
 
 def _key_of(value):
@@ -183,10 +158,10 @@ def _work(node: OpNode, operands, fakes) -> tuple[int, int]:
     counter = FlopCounterMode(display=False)
     try:
         with counter:
-            out = node.fn(*_replace(node.args, table), **_replace(node.kwargs, table))
+            out = node.fn(*replace_tensors(node.args, table), **replace_tensors(node.kwargs, table))
     except Exception:  # an op fake tensors cannot run is priced by its bytes alone
         out = ()
-    touched = sum(t.numel() * t.element_size() for t in [*operands, *_tensors(out)])
+    touched = sum(t.numel() * t.element_size() for t in [*operands, *tensors_in(out)])
     return counter.get_total_flops(), touched
 
 
@@ -215,7 +190,7 @@ def _try(node: OpNode, mesh, mesh_dim, operands, fakes, combo) -> Candidate | st
         with torch.enable_grad(), CommDebugMode() as comm:
             # non-leaf copies, so that in-place ops may write to them as they write to activations
             table = {id(t): d.clone() if d.requires_grad else d for t, d in zip(operands, dts)}
-            out = node.fn(*_replace(node.args, table), **_replace(node.kwargs, table))
+            out = node.fn(*replace_tensors(node.args, table), **replace_tensors(node.kwargs, table))
         if comm.get_total_counts():
             return f"DTensor communicates ({_counts(comm)})"
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]

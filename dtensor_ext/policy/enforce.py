@@ -17,37 +17,9 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from dtensor_ext.policy.errors import PolicyError
+from dtensor_ext.policy.graph_view import replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["PlanExecutor"]
-
-
-def _tensors_unique(values) -> list[torch.Tensor]:
-    seen, found = set(), []
-    for t in _flatten(values):
-        if id(t) not in seen:
-            seen.add(id(t))
-            found.append(t)
-    return found
-
-
-def _flatten(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _flatten(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _flatten(v)]
-    return []
-
-
-def _replace(value, table: dict[int, object]):
-    if isinstance(value, torch.Tensor):
-        return table.get(id(value), value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_replace(v, table) for v in value)
-    if isinstance(value, dict):
-        return {k: _replace(v, table) for k, v in value.items()}
-    return value
 
 
 def _full(value):
@@ -139,7 +111,7 @@ class PlanExecutor:
 
     def run(self, k: int, func, args, kwargs):
         op = self.plan.ops[k]
-        operands = _tensors_unique((args, kwargs))
+        operands = unique_tensors((args, kwargs))
         if len(operands) != len(op.inputs):
             raise PolicyError(f"running {op.node}", "inputs", len(operands),
                               f"the {len(op.inputs)} tensor inputs the trace recorded (the model ran differently)")
@@ -149,10 +121,10 @@ class PlanExecutor:
             d = t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, replicate, run_check=False)
             table[id(t)] = self._move(d, replicate if op.local else list(target))
         if op.local:
-            out = func(*_replace(args, {i: d.to_local() for i, d in table.items()}),
-                       **_replace(kwargs, {i: d.to_local() for i, d in table.items()}))
+            out = func(*replace_tensors(args, {i: d.to_local() for i, d in table.items()}),
+                       **replace_tensors(kwargs, {i: d.to_local() for i, d in table.items()}))
             return _wrap_outputs(out, self.mesh)
-        out = func(*_replace(args, table), **_replace(kwargs, table))
+        out = func(*replace_tensors(args, table), **replace_tensors(kwargs, table))
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
         for o in outs:
             if isinstance(o, DTensor) and o.requires_grad:
@@ -216,7 +188,7 @@ class _PlanMode(TorchFunctionMode):
             ex.position += 1
             return ex.run(k, func, args, kwargs)
         out = func(*args, **kwargs)
-        if _flatten(out):  # an op the trace did not see (autograd hooks, other inputs): DTensor runs it unplanned
+        if tensors_in(out):  # an op the trace did not see (autograd hooks, other inputs): DTensor runs it unplanned
             ex.plan.deviations.append(f"unplanned {getattr(func, '__name__', func)} before "
                                       f"{nodes[k] if k < len(nodes) else 'the end'}")
         return out

@@ -20,7 +20,8 @@ from torch.overrides import TorchFunctionMode
 
 from dtensor_ext._compat import torch_op_names
 
-__all__ = ["ClassChain", "GraphView", "OpNode", "ModuleCall", "trace_graph", "op_names"]
+__all__ = ["ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "replace_tensors", "tensors_in",
+           "trace_graph", "unique_tensors"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _POLICY_DIR = os.path.dirname(__file__)
@@ -192,14 +193,31 @@ def _expression_at(frame) -> str:
     return text
 
 
-def _tensors_in(value) -> list[torch.Tensor]:
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a value of nested tuples, lists and dicts, in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
+        return [t for v in value for t in tensors_in(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
+        return [t for v in value.values() for t in tensors_in(v)]
     return []
+
+
+def unique_tensors(value) -> list[torch.Tensor]:
+    """An op's tensor operands as its node's operand_ids list them: each object once, in order of appearance."""
+    return list({id(t): t for t in tensors_in(value)}.values())
+
+
+def replace_tensors(value, table: dict[int, object]):
+    """The value with each tensor whose id is in `table` replaced by the table's entry."""
+    if isinstance(value, torch.Tensor):
+        return table.get(id(value), value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(replace_tensors(v, table) for v in value)
+    if isinstance(value, dict):
+        return {k: replace_tensors(v, table) for k, v in value.items()}
+    return value
 
 
 class _Recorder(TorchFunctionMode):
@@ -250,7 +268,7 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         input_ids = tuple(self.tensor_id(a) for a in args)
         kwarg_ids = tuple(self.tensor_id(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
-        operand_ids = tuple(dict.fromkeys(self.tensor_id(t) for t in _tensors_in((args, kwargs))))
+        operand_ids = tuple(dict.fromkeys(self.tensor_id(t) for t in tensors_in((args, kwargs))))
         out = func(*args, **kwargs)
         outputs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
         if not outputs or getattr(func, "__name__", "") in ("__get__", "__set__"):
@@ -284,7 +302,7 @@ def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object]) -> Gra
             out = model(*example_inputs)
     finally:
         recorder.remove_hooks()
-    outputs = tuple(recorder._ids[id(t)] for t in _tensors_in(_as_container(out)) if id(t) in recorder._ids)
+    outputs = tuple(recorder._ids[id(t)] for t in tensors_in(_as_container(out)) if id(t) in recorder._ids)
     ids = {tid: t for tid, t in enumerate(recorder._alive)}
     param_ids = {tid: params[id(t)] for tid, t in ids.items() if id(t) in params}
     return GraphView(model, recorder.nodes, recorder.calls, param_ids, outputs, ids)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from dtensor_ext.models import MLP, MoEModel
+from dtensor_ext.models import MoEModel
 from dtensor_ext.policy import (
     OpPartition,
     OpPlan,

@@ -1,4 +1,5 @@
-"""The adapter's guarantee on the cases that used to be silently wrong: single-device values or a precise PolicyError."""
+"""The adapter's guarantee on the cases that used to be silently wrong: single-device values or a precise
+PolicyError."""
 
 from __future__ import annotations
 
