@@ -16,6 +16,13 @@ def fake_mode_of(values: Sequence[Any]):
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)]) or FakeTensorMode()
 
 
+def fake_tensor_mode():
+    """A fresh FakeTensorMode (shapes and dtypes only, no data), for running ops to see what DTensor does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
 def inductor_custom_pass_api():
     """(CustomGraphPass, get_hash_for_files): inductor's base class for post-grad passes and its source hasher."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files

@@ -1,8 +1,9 @@
 """Policy adapter: nnScaler-style YAML constraints or OpPlan policies -> DTensor parallelization.
 
-``build_plan`` traces the model once and returns a printable Plan: ParallelStyles for ``parallelize_module``,
-run-time constraints for free ops, activation-checkpoint regions, pipeline stage boundaries and hooks.
-``parallelize`` applies it. Every malformed input raises PolicyError (a ValueError).
+``build_plan`` traces the model once, takes each op's candidate placements from DTensor's own sharding propagation,
+filters them by the constraints and picks the cheapest plan exactly (HiGHS); it returns a printable Plan.
+``parallelize`` applies it: parameters distributed as solved, activations run as DTensors at the solved placements.
+Every malformed input and every constraint no plan meets raises PolicyError (a ValueError).
 """
 
 from dtensor_ext.policy.adapter import Plan, PolicyConfig, build_plan, parallelize
@@ -16,10 +17,9 @@ from dtensor_ext.policy.opplan import (
     get_layer_index,
     get_pas_ops,
 )
-from dtensor_ext.policy.styles import PlanWarning
 
 __all__ = [
-    "Constraint", "GraphView", "OpNode", "OpPartition", "OpPlan", "Plan", "PlanWarning", "PolicyConfig", "PolicyError",
+    "Constraint", "GraphView", "OpNode", "OpPartition", "OpPlan", "Plan", "PolicyConfig", "PolicyError",
     "build_plan", "get_called_self_module_name", "get_layer_index", "get_pas_ops", "load_constraints",
     "parallelize",
 ]

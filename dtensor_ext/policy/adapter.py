@@ -1,36 +1,45 @@
-"""build_plan / parallelize: YAML constraints or a Python policy -> one Plan applied with torch's own tools."""
+"""build_plan / parallelize: constraints (YAML or a Python policy) filter DTensor's own candidates, HiGHS picks.
+
+1. Trace the forward once (graph_view): every torch-level op, the module that ran it, its inputs and outputs.
+2. For each mesh dim, each op's candidates come from DTensor itself (derive): the input placements it runs
+   forward and backward without communicating, with the output placements it then produces.
+3. Constraints only remove candidates: ``allowed_partition_dims`` keeps those with Shard(dim) on that input
+   (plus the all-Replicate one where ``replica_allowed``), ``parent_module``/``fqn`` scope them, ``mesh_dim`` picks
+   the dim. A constraint nothing satisfies is a PolicyError that says what DTensor would need instead.
+4. HiGHS (solve) picks one candidate per op and one placement per parameter, minimising the redistributions
+   (the package's cost model, forward and the gradients' way back) plus the compute each rank does.
+5. ``parallelize`` distributes the parameters as solved and runs every op on DTensors whose inputs are moved to
+   the solved placements (enforce), so DTensor executes what was planned and the values are the single-device ones.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import inspect
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode
 from dtensor_ext.policy.constraints import Constraint, load_constraints
-from dtensor_ext.policy.enforce import ConstraintEnforcer, OpConstraint
+from dtensor_ext.policy.derive import Candidate, CandidateCache, NodeOptions, is_inplace, operand_tensors
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
-from dtensor_ext.policy.partial_grads import fix_partial_gradients
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
-from dtensor_ext.policy.styles import (
-    ChosenStyle,
-    StyleSpec,
-    first_op_on_experts,
-    first_op_on_input,
-    infer_module_plan,
-    is_norm_module,
-    module_style_kind,
-)
+from dtensor_ext.policy.solve import Problem, solve
+from dtensor_ext.redistribute.cost import IdealCostModel
 
 __all__ = ["Plan", "PolicyConfig", "build_plan", "parallelize"]
+
+# Compute prices next to the cost model's collectives (seconds): a rank's flops and the bytes its kernels touch.
+FLOP_S = 1e-13
+BYTE_S = 1e-11
 
 
 @dataclass(frozen=True)
@@ -45,58 +54,64 @@ class PolicyConfig:
         return self.mesh.size()
 
 
+@dataclass(frozen=True)
+class Requirement:
+    """A constraint on one op: it runs with Shard(dim) on one of the listed (operand slot, dim), or, where
+    ``replica_allowed``, with every input replicated; on the mesh dims listed."""
+
+    allowed: tuple[tuple[int, int], ...]  # (operand slot, tensor dim); empty: replicated only
+    replica_allowed: bool
+    mesh_dims: tuple[int, ...]
+    source: str  # the entry or OpPlan, and the op
+    shown: tuple[str, ...]  # the "input,dim" texts as the user wrote them
+    field: str = "allowed_partition_dims"
+
+    def admits(self, c: Candidate) -> bool:
+        if self.replica_allowed and c.replicated:
+            return True
+        return any(c.inputs[slot] == Shard(dim) for slot, dim in self.allowed)
+
+
+@dataclass
+class OpChoice:
+    """What the plan runs for one op: each operand's and each output's placements (one per mesh dim)."""
+
+    node: OpNode
+    inputs: tuple[tuple, ...]
+    outputs: tuple[tuple, ...]
+    local: bool = False  # DTensor has no way to run it: it runs replicated on plain tensors
+    moves: list[str] = field(default_factory=list)  # the redistributions of its inputs, described
+
+
 @dataclass
 class Plan:
     """Everything the adapter decided; ``str(plan)`` shows it, ``parallelize`` applies it."""
 
     mesh: DeviceMesh
     graph: GraphView = field(repr=False)
-    module_styles: dict[str, StyleSpec]
-    op_constraints: list[OpConstraint]
+    ops: list[OpChoice]
+    params: dict[str, tuple]
     recompute_groups: dict[int, list[str]]
     stage_starts: dict[int, str]
     hooks: list[tuple[str, Callable | None, Callable | None]]
-    loss_ops: list[OpNode] = field(default_factory=list)
-    enforcer: ConstraintEnforcer | None = field(default=None, repr=False)
-
-    def loss_context(self):
-        """torch's ``loss_parallel()`` where the plan keeps logits vocab-sharded into the loss (run forward and
-        backward under it, as torchtitan does), else a no-op context."""
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel() if self.loss_ops else contextlib.nullcontext()
-
-    @property
-    def module_plan(self) -> dict:
-        """The ``parallelize_plan`` dict for torch's ``parallelize_module`` (fresh ParallelStyle objects)."""
-        return {fqn: spec.build() for fqn, spec in self.module_styles.items()}
-
-    def module_plans(self, mesh: DeviceMesh) -> list[tuple[DeviceMesh, dict]]:
-        """(1-D mesh, ``parallelize_plan``) for each mesh dim the styles shard: ParallelStyles take a 1-D mesh,
-        so on an N-D mesh each runs on its named dim ('tp' unless the constraint named one)."""
-        by_dim: dict[str | None, dict] = {}
-        for fqn, spec in self.module_styles.items():
-            by_dim.setdefault(spec.mesh_dim, {})[fqn] = spec.build()
-        return [(_mesh_dim(mesh, name), plan) for name, plan in by_dim.items()]
-
-    def split_spec(self) -> dict:
-        """Stage boundaries as ``torch.distributed.pipelining.pipeline(..., split_spec=...)`` expects them."""
-        from torch.distributed.pipelining import SplitPoint
-
-        return {fqn: SplitPoint.BEGINNING for stage, fqn in sorted(self.stage_starts.items()) if fqn}
+    cost_s: float = 0.0
+    planning_s: float = 0.0
+    deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
 
     def __str__(self) -> str:
-        lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)} "
-                 f"({len(self.graph)} traced ops)"]
-        lines.append("  module plan:" if self.module_styles else "  module plan: (none)")
-        for fqn, spec in self.module_styles.items():
-            lines.append(f"    {fqn}: {spec}")
-            lines += [f"      # {spec.why}"] if spec.why else []
-        if self.loss_ops:
-            lines.append("  loss parallel (run forward and backward under plan.loss_context()):")
-            lines += [f"    {node}" for node in self.loss_ops]
-        lines.append("  op constraints:" if self.op_constraints else "  op constraints: (none)")
-        lines += [f"    {c.describe()}" for c in self.op_constraints]
+        lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
+                 f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
+                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s"]
+        sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
+        lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
+        lines += [f"    {fqn}: {_fmt(p)}" for fqn, p in sharded.items()]
+        lines.append("  ops (those that run sharded or move data):")
+        for op in self.ops:
+            if op.local or op.moves or not all(_replicated(p) for p in (*op.inputs, *op.outputs)):
+                how = "local, replicated (DTensor has no rule)" if op.local else (
+                    f"in {', '.join(_fmt(p) for p in op.inputs)} -> out {', '.join(_fmt(p) for p in op.outputs)}")
+                lines.append(f"    %{op.node.index} {op.node.signature} in {op.node.fqn or '<root>'}: {how}")
+                lines += [f"      {m}" for m in op.moves]
         if self.recompute_groups:
             lines.append("  recompute groups:")
             lines += [f"    {rid}: {', '.join(fqn or '<root>' for fqn in fqns)}"
@@ -109,29 +124,42 @@ class Plan:
             lines += [f"    {fqn or '<root>'}: pre={_name(pre)} post={_name(post)}" for fqn, pre, post in self.hooks]
         return "\n".join(lines)
 
+    def to_yaml(self) -> str:
+        """The solved plan as YAML: one entry per op and per parameter with its placements, readable and
+        loadable with ``load_plan_placements`` to compare or pin."""
+        import yaml
 
-def _mesh_dim(mesh: DeviceMesh, name: str | None) -> DeviceMesh:
-    names = mesh.mesh_dim_names or ()
-    if mesh.ndim == 1 and (name is None or name in names):
-        return mesh
-    if (name or "tp") not in names:
-        raise PolicyError("parallelize", "mesh", f"{tuple(mesh.shape)} named {names or None}",
-                          f"a mesh with a dim named {name or 'tp'!r} for the ParallelStyles that shard it "
-                          "(init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
-    return mesh[name or "tp"]
+        ops = [{"op": op.node.index, "name": op.node.signature, "module": op.node.fqn,
+                "inputs": [_fmt(p) for p in op.inputs], "outputs": [_fmt(p) for p in op.outputs],
+                **({"local": True} if op.local else {})} for op in self.ops]
+        params = {fqn: _fmt(p) for fqn, p in self.params.items()}
+        return yaml.safe_dump({"mesh": list(self.mesh.shape), "parameters": params, "ops": ops}, sort_keys=False)
+
+    def split_spec(self) -> dict:
+        """Stage boundaries as ``torch.distributed.pipelining.pipeline(..., split_spec=...)`` expects them."""
+        from torch.distributed.pipelining import SplitPoint
+
+        return {fqn: SplitPoint.BEGINNING for stage, fqn in sorted(self.stage_starts.items()) if fqn}
+
+
+def _replicated(placements: tuple) -> bool:
+    return all(p.is_replicate() for p in placements)
+
+
+def _fmt(placements: tuple) -> str:
+    return "(" + ", ".join(_short(p) for p in placements) + ")"
+
+
+def _short(p) -> str:
+    if p.is_replicate():
+        return "R"
+    if p.is_shard():
+        return f"S({p.dim})"
+    return "P"
 
 
 def _name(fn: Callable | None) -> str:
     return getattr(fn, "__qualname__", repr(fn)) if fn is not None else "-"
-
-
-@dataclass
-class _Decision:
-    node: OpNode
-    allowed: tuple[tuple[int, int], ...]  # normalized dims; empty = replicate
-    replica_allowed: bool
-    source: str
-    mesh_dim: str | None = None
 
 
 def build_plan(
@@ -142,67 +170,41 @@ def build_plan(
     constraints: str | os.PathLike | Iterable[Constraint] | None = None,
     policy: Callable | None = None,
     cfg: object = None,
+    cost_model=None,
     warn_unused: bool = False,
-    strict: bool = False,
 ) -> Plan:
-    """Trace ``model(*example_inputs)`` and turn YAML constraints (a path, a YAML string or Constraint objects)
-    or a ``policy(graph, cfg)`` generator of OpPlans into a Plan. Unused constraints are errors unless
-    ``warn_unused``. A column-parallel output gathered where a row-parallel consumer would keep it sharded
-    warns (PlanWarning), or raises PolicyError under ``strict``."""
-    if (constraints is None) == (policy is None):
-        raise PolicyError("build_plan", "constraints/policy", "both" if policy else "neither",
-                          "exactly one of constraints= (YAML) or policy= (a generator of OpPlan)")
+    """Trace ``model(*example_inputs)``, filter DTensor's candidates by YAML constraints (a path, YAML text or
+    Constraint objects) or by a ``policy(graph[, cfg])`` generator of OpPlans, and solve the rest exactly.
+    Neither constraints nor policy: the search alone plans on the whole mesh. Unused constraints are errors
+    unless ``warn_unused``. ``cost_model``: the redistribution cost model (the package's IdealCostModel by
+    default; a CalibratedCostModel from an autotune file)."""
+    if constraints is not None and policy is not None:
+        raise PolicyError("build_plan", "constraints/policy", "both",
+                          "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
+    start = time.perf_counter()
     graph = _trace_outside_simulation(model, example_inputs)
-    recompute_ids, stage_ids, hooks = {}, {}, []
+    recompute_ids, stage_ids, hooks, requirements = {}, {}, [], {}
     if constraints is not None:
         parsed = load_constraints(constraints) if isinstance(constraints, (str, os.PathLike)) else list(constraints)
+        if not parsed:
+            raise PolicyError("constraints", "<document>", constraints if isinstance(constraints, str) else parsed,
+                              "at least one constraint entry (an empty policy plans nothing; pass no constraints "
+                              "to let the search plan the whole model)")
         for k, c in enumerate(parsed):
             if not isinstance(c, Constraint):
                 raise PolicyError(f"constraints[{k}]", "<item>", c, "a Constraint (or pass YAML text or a path)")
-        decisions = _decisions_from_constraints(graph, parsed, warn_unused)
-    else:
-        decisions, recompute_ids, stage_ids, hooks = _decisions_from_policy(
-            graph, policy, cfg if cfg is not None else PolicyConfig(mesh))
-    chosen, free = {}, []
-    for decision in decisions:
-        styled = _module_style(graph, decision, chosen)
-        if styled is not None and _same_expert_split(chosen.get(decision.node.fqn), styled, decision.mesh_dim):
-            continue  # the experts' second grouped GEMM: the module is split once, by the first
-        if styled is not None and decision.node.fqn in chosen:
-            raise PolicyError(decision.source, "op", str(decision.node),
-                              f"one partitioned op per module; module {decision.node.fqn!r} already runs "
-                              f"{chosen[decision.node.fqn].node} with a ParallelStyle")
-        if styled is not None:
-            styled.mesh_dim = decision.mesh_dim
-            chosen[decision.node.fqn] = styled
-        else:
-            free.append(decision)
-    losses = {d.node.index: d for d in free if _is_loss_parallel(d)}
-    free = [d for d in free if d.node.index not in losses]
-    styles = infer_module_plan(graph, chosen, strict=strict, loss_ops={i: d.source for i, d in losses.items()})
-    styles = fix_partial_gradients(graph, chosen, styles)
-    plan = Plan(mesh, graph, styles, _op_constraints(graph, free),
-                recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids), hooks,
-                [graph.nodes[i] for i in losses])
-    return plan
-
-
-def _same_expert_split(first: ChosenStyle | None, second: ChosenStyle, mesh_dim: str | None) -> bool:
-    """Both grouped GEMMs of one experts module ask for the same expert split (on the same mesh dim)."""
-    return (first is not None and first.kind == second.kind == "expert" and first.mesh_dim == mesh_dim)
-
-
-_LOSSES = ("torch.nn.functional.cross_entropy",)
-
-
-def _is_loss_parallel(d: _Decision) -> bool:
-    """A cross-entropy partitioned on the class dim of its (tokens, classes) input: torch's loss parallelism."""
-    if d.node.signature not in _LOSSES or not d.allowed:
-        return False
-    if d.allowed != ((0, 1),) or len(d.node.input_shapes[0]) != 2:
-        raise PolicyError(d.source, "allowed_partition_dims", [f"{i},{dim}" for i, dim in d.allowed],
-                          f"'0,-1' on the (tokens, classes) logits of {d.node} (loss parallelism)")
-    return True
+        requirements = _requirements_from_constraints(graph, mesh, parsed, warn_unused)
+    elif policy is not None:
+        requirements, recompute_ids, stage_ids, hooks = _requirements_from_policy(
+            graph, mesh, policy, cfg if cfg is not None else PolicyConfig(mesh))
+    regions, stages = recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids)
+    ops, params, cost = _derive(graph, mesh, requirements, cost_model or IdealCostModel())
+    if all(_replicated(p) for p in params.values()) and all(
+            _replicated(p) for op in ops for p in (*op.inputs, *op.outputs)):
+        raise PolicyError("build_plan", "<plan>", "every op and parameter replicated",
+                          "a plan that partitions something: the constraints and the cost model keep the whole "
+                          "model replicated (nothing to parallelize)")
+    return Plan(mesh, graph, ops, params, regions, stages, hooks, cost, time.perf_counter() - start)
 
 
 def _trace_outside_simulation(model, example_inputs) -> GraphView:
@@ -214,35 +216,45 @@ def _trace_outside_simulation(model, example_inputs) -> GraphView:
     return trace_graph(model, example_inputs)
 
 
-def _check_dims(node: OpNode, dims, where: str, field_name: str) -> tuple[tuple[int, int], ...]:
-    normalized = []
-    for index, dim in dims:
-        shape = node.input_shapes[index] if index < len(node.input_shapes) else None
-        if shape is None:
-            tensors = [i for i, s in enumerate(node.input_shapes) if s is not None]
-            raise PolicyError(where, field_name, f"{index},{dim}",
-                              f"an input index of a tensor input of {node} (tensor inputs: {tensors})")
-        if not -len(shape) <= dim < len(shape):
-            raise PolicyError(where, field_name, f"{index},{dim}",
-                              f"a dim in [{-len(shape)}, {len(shape) - 1}] for input {index} of shape "
-                              f"{list(shape)} of {node}")
-        normalized.append((index, dim % len(shape)))
-    return tuple(normalized)
+def _mesh_dims(mesh: DeviceMesh, name: str | None, where: str, field_name: str = "mesh_dim") -> tuple[int, ...]:
+    """The mesh dims a constraint applies to: the named one; unnamed: 'tp' where the mesh has it, else all."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if name is None:
+        return (names.index("tp"),) if mesh.ndim > 1 and "tp" in names else tuple(range(mesh.ndim))
+    if name not in names:
+        raise PolicyError(where, field_name, name, f"a dim name of the mesh, whose dims are named {names or None}")
+    return (names.index(name),)
 
 
-def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint], warn_unused: bool) -> list[_Decision]:
-    decisions: dict[int, _Decision] = {}
-    classes = graph.module_classes()
+def _slot(node: OpNode, index: int, dim: int, where: str, field_name: str, shown: str) -> tuple[int, int]:
+    """(positional input, dim) -> (operand slot, non-negative dim), checked against what the op read."""
+    shape = node.input_shapes[index] if 0 <= index < len(node.input_shapes) else None
+    if shape is None:
+        tensors = [i for i, s in enumerate(node.input_shapes) if s is not None]
+        raise PolicyError(where, field_name, shown, f"an input index of a tensor input of {node} (tensor inputs: "
+                                                    f"{tensors})")
+    if not -len(shape) <= dim < len(shape):
+        raise PolicyError(where, field_name, shown, f"a dim in [{-len(shape)}, {len(shape) - 1}] for input {index} "
+                                                    f"of shape {list(shape)} of {node}")
+    operands = operand_tensors(node)
+    slot = next(k for k, t in enumerate(operands) if t is node.args[index])
+    return slot, dim % len(shape)
+
+
+def _requirements_from_constraints(graph: GraphView, mesh: DeviceMesh, constraints: list[Constraint],
+                                   warn_unused: bool) -> dict[int, Requirement]:
+    found: dict[int, Requirement] = {}
+    origin: dict[int, str] = {}
     for c in constraints:
-        named = ([n for n in graph.nodes if c.name in n.names] or _norm_module_ops(graph, c.name)
-                 or _experts_module_ops(graph, c.name))
+        dims = _mesh_dims(mesh, c.mesh_dim, c.source)
+        named = [n for n in graph.nodes if c.name in n.names]
         problem = None
-        if c.parent_module is not None and c.parent_module not in classes:
+        if c.parent_module is not None and not graph.module_classes_of(c.parent_module):
             problem = ("parent_module", c.parent_module,
-                       f"a module class the model runs: {', '.join(sorted(classes))}")
+                       f"a module class the model runs: {', '.join(sorted(graph.module_classes()))}")
         elif not named:
             seen = sorted({n.signature for n in graph.nodes})
-            problem = ("name", c.name, f"an op the model runs: {', '.join(seen)}; or the class of a norm module")
+            problem = ("name", c.name, f"an op the model runs: {', '.join(seen)}")
         elif c.parent_module is not None and not any(n.in_module_class(c.parent_module) for n in named):
             problem = ("parent_module", c.parent_module, f"a module class that runs {c.name}")
         if problem is not None:
@@ -254,32 +266,37 @@ def _decisions_from_constraints(graph: GraphView, constraints: list[Constraint],
         for node in named:
             if c.parent_module is not None and not node.in_module_class(c.parent_module):
                 continue
-            if node.index in decisions:
-                raise PolicyError(c.source, "name", c.name,
-                                  f"one constraint per op; {node} is already constrained by "
-                                  f"{decisions[node.index].source}")
-            allowed = _check_dims(node, c.allowed_partition_dims, c.source, "allowed_partition_dims")
-            decisions[node.index] = _Decision(node, allowed, c.replica_allowed, c.source, c.mesh_dim)
-    return [decisions[i] for i in sorted(decisions)]
+            if node.index in found:
+                raise PolicyError(c.source, "name", c.name, f"one constraint per op; {node} is already constrained "
+                                                            f"by {origin[node.index]}")
+            shown = tuple(f"{i},{d}" for i, d in c.allowed_partition_dims)
+            allowed = tuple(_slot(node, i, d, c.source, "allowed_partition_dims", s)
+                            for (i, d), s in zip(c.allowed_partition_dims, shown))
+            found[node.index] = Requirement(allowed, c.replica_allowed, dims, f"{c.source}: {node}", shown)
+            origin[node.index] = c.source
+    return found
 
 
-def _norm_module_ops(graph: GraphView, class_name: str) -> list[OpNode]:
-    """A norm module class named as a constraint's op (``LlamaRMSNorm``): the first op on each one's input."""
-    calls = [fqn for fqn, call in graph.module_calls.items()
-             if type(call.module).__name__ == class_name and is_norm_module(call.module)]
-    return [op for op in (first_op_on_input(graph, fqn) for fqn in calls) if op is not None]
+def _call_policy(policy: Callable, graph: GraphView, cfg):
+    """nnScaler's policies take (graph, cfg); the one-argument form ``policy(graph)`` works as well."""
+    try:
+        params = [p for p in inspect.signature(policy).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+        takes_cfg = len(params) != 1 or any(p.kind == p.VAR_POSITIONAL
+                                            for p in inspect.signature(policy).parameters.values())
+    except (TypeError, ValueError):
+        takes_cfg = True
+    if not callable(policy):
+        raise PolicyError("build_plan", "policy", policy, "a callable policy(graph) or policy(graph, cfg)")
+    return policy(graph, cfg) if takes_cfg else policy(graph)
 
 
-def _experts_module_ops(graph: GraphView, class_name: str) -> list[OpNode]:
-    """A stacked-experts module class named as a constraint's op (``MixtralExperts``, whichever experts
-    implementation runs: grouped_mm or the per-expert loop): the first op reading each one's stacked weights."""
-    calls = [fqn for fqn, call in graph.module_calls.items() if type(call.module).__name__ == class_name]
-    return [op for op in (first_op_on_experts(graph, fqn) for fqn in calls) if op is not None]
-
-
-def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
-    decisions, recompute_ids, stage_ids, hooks, planned = {}, {}, {}, {}, set()
-    for k, plan in enumerate(policy(graph, cfg)):
+def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callable, cfg):
+    found, recompute_ids, stage_ids, hooks, planned = {}, {}, {}, {}, set()
+    yielded = _call_policy(policy, graph, cfg)
+    if yielded is None:
+        raise PolicyError("policy", "<return>", None, "a generator or iterable of OpPlan")
+    for k, plan in enumerate(yielded):
         where = f"policy OpPlan #{k}"
         if not isinstance(plan, OpPlan):
             raise PolicyError(where, "<yielded>", plan, "an OpPlan")
@@ -290,93 +307,185 @@ def _decisions_from_policy(graph: GraphView, policy: Callable, cfg):
         if node.index in planned:
             raise PolicyError(where, "op", str(node), "each op planned at most once")
         planned.add(node.index)
-        for name in ("recompute_id", "stage_id"):
-            if not isinstance(getattr(plan, name), int) or getattr(plan, name) < -1:
-                raise PolicyError(where, name, getattr(plan, name), "an integer >= 0, or -1 for none")
+        dims = _mesh_dims(mesh, plan.mesh_dim, where)
         if isinstance(plan.partition, OpPartition):
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in (plan.partition.input,
                                                                                   plan.partition.dim)):
                 raise PolicyError(where, "partition", plan.partition, "OpPartition with integer input and dim")
-            allowed = _check_dims(node, [(plan.partition.input, plan.partition.dim)], where, "partition")
-            decisions[node.index] = _Decision(node, allowed, False, where, plan.mesh_dim)
+            shown = str(plan.partition)
+            slot = _slot(node, plan.partition.input, plan.partition.dim, where, "partition", shown)
+            found[node.index] = Requirement((slot,), False, dims, where, (shown,), "partition")
         elif plan.partition is None:
-            decisions[node.index] = _Decision(node, (), True, where)
+            found[node.index] = Requirement((), True, dims, where, (), "partition")
         elif plan.partition != "auto":
             raise PolicyError(where, "partition", plan.partition, "OpPartition(input, dim), 'auto' or None")
         if plan.recompute_id >= 0:
             recompute_ids[node.index] = plan.recompute_id
         if plan.stage_id >= 0:
             stage_ids[node.index] = plan.stage_id
-        for name in ("pre_hook", "post_hook"):
-            if getattr(plan, name) is not None and not callable(getattr(plan, name)):
-                raise PolicyError(where, name, getattr(plan, name), "a callable module hook or None")
         if plan.pre_hook or plan.post_hook:
             hooks[(node.fqn, plan.pre_hook, plan.post_hook)] = None  # a dict keeps one of each, in order
-    return [decisions[i] for i in sorted(decisions)], recompute_ids, stage_ids, list(hooks)
+    if not planned:
+        raise PolicyError("policy", "<yielded>", "nothing", "at least one OpPlan (an empty policy plans nothing)")
+    return found, recompute_ids, stage_ids, list(hooks)
 
 
-def _module_style(graph: GraphView, d: _Decision, chosen: dict[str, ChosenStyle]) -> ChosenStyle | None:
-    """The ParallelStyle kind of the op's module where the decision is one, else None.
+# --- the derivation ---------------------------------------------------------------------------------------------
 
-    Where both column- and row-parallel are allowed, pair them as Megatron does: row-parallel when the op's
-    input derives from a column-parallel output (already sharded on features), column-parallel otherwise."""
-    kinds = module_style_kind(d.node, graph)
-    if kinds is None or not d.allowed:
-        return None
-    options = [kinds[p] for p in d.allowed if p in kinds]
-    if not options:
-        listed = ", ".join(f"{i},{dim} ({kind})" for (i, dim), (kind, _) in kinds.items())
-        raise PolicyError(d.source, "allowed_partition_dims", [f"{i},{dim}" for i, dim in d.allowed],
-                          f"a partition of {d.node} that a ParallelStyle implements: {listed}")
-    by_kind = {kind: (kind, seq) for kind, seq in reversed(options)}
-    if "colwise" in by_kind and "rowwise" in by_kind:
-        colwise = {c.node.index: fqn for fqn, c in chosen.items() if c.kind == "colwise"}
-        source = _derives_from(graph, d.node.input_ids[0], colwise, chosen)
-        if source is not None:
-            return ChosenStyle("rowwise", d.node, d.source,
-                               why=f"rowwise: input from colwise {source}")
-        return ChosenStyle("colwise", d.node, d.source,
-                           why="colwise: input from no colwise linear")
-    kind, seq = options[0]
-    if kind == "expert":
-        index, dim = next(p for p in d.allowed if p in kinds)
-        return ChosenStyle(kind, d.node, d.source, why=f"expert parallel: '{index},{dim}' splits the stacked experts, "
-                                                       "held sharded; tokens replicated in, one all-reduce out")
-    allowed = ", ".join(f"'{i},{dim}'" for i, dim in d.allowed)
-    return ChosenStyle(kind, d.node, d.source, seq, why=f"{kind}: the only style {allowed} allows")
+_LOCAL = "local"
 
 
-def _derives_from(graph: GraphView, tensor_id: int | None, targets: dict[int, str],
-                  chosen: dict[str, ChosenStyle]) -> str | None:
-    """The module of a `targets` op the tensor is computed from, through ops that are not module styles."""
-    styled = {c.node.index for c in chosen.values()}
-    todo, seen = [tensor_id] if tensor_id is not None else [], set()
-    while todo:
-        producer = graph.producer(todo.pop())
-        if producer is None or producer.index in seen:
-            continue
-        seen.add(producer.index)
-        if producer.index in targets:
-            return targets[producer.index]
-        if producer.index not in styled:
-            todo.extend(producer.operand_ids)
-    return None
-
-
-def _op_constraints(graph: GraphView, free: list[_Decision]) -> list[OpConstraint]:
-    """Attach each constraint to its innermost constrained module and its ordinal there, as the enforcer counts."""
-    owners = {d.node.fqn for d in free}
-    counts: dict[tuple[str, str], int] = {}
-    ordinal_of = {}
+def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model):
+    """Per mesh dim: candidates, constraints, one exact solve; then the per-op placements over all dims."""
+    cache = CandidateCache(mesh)
+    model = cost_model.bind(tuple(mesh.shape))
+    producers: dict[int, tuple[int, int]] = {}
     for node in graph.nodes:
-        owner = next((fqn for fqn in reversed(node.module_fqn_chain) if fqn in owners), None)
-        if owner is None:
-            continue
-        key = (owner, node.signature)
-        ordinal_of[node.index] = (owner, counts.get(key, 0))
-        counts[key] = counts.get(key, 0) + 1
-    return [OpConstraint(d.node, d.allowed, d.replica_allowed, d.source, *ordinal_of[d.node.index], d.mesh_dim)
-            for d in free]
+        for o, tid in enumerate(node.output_ids):
+            producers[tid] = (node.index, o)
+    sources = sorted({tid for node in graph.nodes for tid in node.operand_ids if tid not in producers})
+    chosen_inputs = {n.index: [[] for _ in n.operand_ids] for n in graph.nodes}
+    chosen_outputs = {n.index: [[] for _ in n.output_ids] for n in graph.nodes}
+    local: set[int] = set()
+    params: dict[str, list] = {graph.params[t]: [] for t in sources if t in graph.params}
+    total = 0.0
+    for m in range(mesh.ndim):
+        options = []
+        for node in graph.nodes:
+            param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
+            found = cache.options(node, m, param_slots)
+            requirement = requirements.get(node.index)
+            if requirement is not None and m in requirement.mesh_dims:
+                kept = [c for c in found.candidates if requirement.admits(c)]
+                if not kept and not (requirement.replica_allowed and not found.candidates):
+                    raise _unmet(node, requirement, found, mesh, m)
+            else:
+                kept = found.candidates
+            if not kept:
+                if is_inplace(node):
+                    raise PolicyError(str(node), "op", node.signature,
+                                      "an in-place op DTensor can run (it has no sharding rule for these inputs, and "
+                                      "writing into a gathered copy would leave the original unchanged)")
+                local.add(node.index)
+                kept = [_replicated_candidate(node)]
+            options.append([(c.inputs, c.outputs, c.grads, _compute_s(found, c, mesh.size(m))) for c in kept])
+        source_rows = {}
+        for tid in sources:
+            source_rows[tid] = len(options)
+            value = graph.tensors[tid]
+            places = [Replicate()]
+            if tid in graph.params:
+                places += [Shard(d) for d in range(value.ndim) if value.shape[d] % mesh.size(m) == 0
+                           and value.shape[d] >= mesh.size(m)]
+            options.append([((), (p,), (), 0.0) for p in places])
+        edges = []
+        for node in graph.nodes:
+            for slot, tid in enumerate(node.operand_ids):
+                u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
+                price = _pricer(graph.tensors[tid], model, m, mesh.size(m))
+                if slot == 0 and is_inplace(node):
+                    price = _unmoved(price)
+                edges.append((u, o, node.index, slot, price))
+        sink = len(options)
+        options.append([((Replicate(),), (), (None,), 0.0)])
+        for tid in graph.outputs:
+            if tid in producers:  # the caller gets full tensors: each output ends replicated
+                u, o = producers[tid]
+                edges.append((u, o, sink, 0, _pricer(graph.tensors[tid], model, m, mesh.size(m))))
+        names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
+        picks, cost = solve(Problem(options, edges, names), f"mesh dim {m}")
+        total += cost
+        for node in graph.nodes:
+            c = options[node.index][picks[node.index]]
+            for k, p in enumerate(c[0]):
+                chosen_inputs[node.index][k].append(p)
+            for k, p in enumerate(c[1]):
+                chosen_outputs[node.index][k].append(p)
+        for tid in sources:
+            if tid in graph.params:
+                params[graph.params[tid]].append(options[source_rows[tid]][picks[source_rows[tid]]][1][0])
+    ops = []
+    for node in graph.nodes:
+        op = OpChoice(node, tuple(tuple(p) for p in chosen_inputs[node.index]),
+                      tuple(tuple(p) for p in chosen_outputs[node.index]), node.index in local)
+        for slot, tid in enumerate(node.operand_ids):
+            held = (chosen_outputs[producers[tid][0]][producers[tid][1]] if tid in producers
+                    else params.get(graph.params.get(tid), [Replicate()] * mesh.ndim))
+            if tuple(held) != op.inputs[slot]:
+                what = f"%{producers[tid][0]}" if tid in producers else graph.params.get(tid, "input")
+                op.moves.append(f"input {slot} ({what}, {list(graph.tensors[tid].shape)}): "
+                                f"{_fmt(tuple(held))} -> {_fmt(op.inputs[slot])}")
+        ops.append(op)
+    return ops, {fqn: tuple(p) for fqn, p in params.items()}, total
+
+
+def _replicated_candidate(node: OpNode) -> Candidate:
+    operands = operand_tensors(node)
+    return Candidate(tuple(Replicate() for _ in operands), tuple(Replicate() for _ in node.output_ids),
+                     tuple(Replicate() if t.is_floating_point() else None for t in operands), False)
+
+
+def _compute_s(found: NodeOptions, c: Candidate, ranks: int) -> float:
+    work = found.flops * FLOP_S + found.nbytes * BYTE_S
+    return work / ranks if c.divides else work
+
+
+def _pricer(value: torch.Tensor, model, mesh_dim: int, ranks: int):
+    """cost(p, q, g): move the producer's placement p to the consumer's q, then the gradient g back to p; None
+    where DTensor cannot (into Partial)."""
+    nbytes = value.numel() * value.element_size()
+    dims = (mesh_dim,)
+
+    def move(src, dst) -> float | None:
+        if src == dst:
+            return 0.0
+        if dst.is_partial():  # DTensor only makes Partial values inside ops, never by redistributing to them
+            return None
+        if src.is_replicate():
+            return 0.0
+        if src.is_partial():
+            kind = "all_reduce" if dst.is_replicate() else "reduce_scatter"
+            return model.collective_time(kind, dims, nbytes)
+        if dst.is_shard():  # Shard(a) -> Shard(b)
+            return model.collective_time("all_to_all", dims, nbytes // ranks)
+        return model.collective_time("all_gather", dims, nbytes)
+
+    def price(p, q, g) -> float | None:
+        forward = move(p, q)
+        if forward is None or g is None or not value.is_floating_point():
+            return forward
+        back = move(g, Replicate() if p.is_partial() else p)
+        return None if back is None else forward + back
+
+    return price
+
+
+def _unmoved(price):
+    """An in-place op writes the value it reads: it must read it where it is (a moved copy would take the write)."""
+    def same_place(p, q, g):
+        return price(p, q, g) if p == q else None
+    return same_place
+
+
+def _unmet(node: OpNode, requirement: Requirement, found: NodeOptions, mesh: DeviceMesh, m: int) -> PolicyError:
+    """Why no candidate meets the constraint: what DTensor does with each requested placement, and what it allows."""
+    reasons = []
+    for shown, (slot, dim) in zip(requirement.shown, requirement.allowed):
+        refusals = [why for combo, why in found.tried.items() if combo[slot] == Shard(dim)]
+        if refusals:
+            reasons.append(f"input {shown.split(',')[0]} sharded on dim {dim}: {refusals[0].rstrip('.')}")
+        else:
+            size = operand_tensors(node)[slot].shape[dim]
+            reasons.append(f"input {shown.split(',')[0]} dim {dim} (size {size}) cannot be split evenly over "
+                           f"{mesh.size(m)} ranks")
+    allowed = sorted({f"{k},{c.inputs[k].dim}" for c in found.candidates for k in range(len(c.inputs))
+                      if c.inputs[k].is_shard()})
+    names = mesh.mesh_dim_names
+    on = f" on mesh dim {names[m] if names else m}"
+    return PolicyError(requirement.source, requirement.field, list(requirement.shown) or None,
+                       f"a partition DTensor runs without communicating{on}; " + "; ".join(reasons or [
+                           "it cannot run replicated here"]) + f". Operand shards DTensor allows: "
+                       f"{', '.join(allowed) or 'none (only replicated)'}")
 
 
 def parallelize(
@@ -387,25 +496,19 @@ def parallelize(
     constraints=None,
     policy: Callable | None = None,
     cfg: object = None,
+    cost_model=None,
     warn_unused: bool = False,
-    strict: bool = False,
     plan: Plan | None = None,
-    dp: str | None = None,
-    dp_dim: str = "dp",
 ) -> torch.nn.Module:
-    """Build the plan (unless given) and apply it in place: ParallelStyles (each on its mesh dim, 'tp' by
-    default on an N-D mesh), op constraints, hooks, recompute, then ``dp='fully_shard'`` over ``dp_dim``.
-    Returns the module, as torch's ``parallelize_module`` does; the applied plan is ``model.policy_plan``."""
+    """Build the plan (unless given) and apply it in place: parameters distributed as solved, every op run on
+    DTensors moved to the solved placements, hooks, recompute. Returns the module, whose outputs are full
+    (replicated) tensors; the applied plan is ``model.policy_plan``."""
+    from dtensor_ext.policy.enforce import PlanExecutor
+
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
-                          warn_unused=warn_unused, strict=strict)
-    if dp not in (None, "fully_shard"):
-        raise PolicyError("parallelize", "dp", dp, "None or 'fully_shard' (torch's FSDP2 on the dp mesh dim)")
-    for sub_mesh, module_plan in plan.module_plans(mesh):
-        parallelize_module(model, sub_mesh, module_plan)
-    if plan.op_constraints:
-        plan.enforcer = ConstraintEnforcer(mesh, plan.op_constraints)
-        plan.enforcer.install(model)
+                          cost_model=cost_model, warn_unused=warn_unused)
+    PlanExecutor(plan).install(model)
     for fqn, pre, post in plan.hooks:
         module = model.get_submodule(fqn)
         if pre is not None:
@@ -413,21 +516,5 @@ def parallelize(
         if post is not None:
             module.register_forward_hook(post)
     apply_recompute(model, plan.recompute_groups)
-    if dp == "fully_shard":
-        _fully_shard(model, mesh, dp_dim)
     model.policy_plan = plan
     return model
-
-
-def _fully_shard(model: torch.nn.Module, mesh: DeviceMesh, dp_dim: str) -> None:
-    """torch's FSDP2 over the dp dim, as torchtitan applies it: each numbered block (``layers.3``), then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    if dp_dim not in (mesh.mesh_dim_names or ()):
-        raise PolicyError("parallelize", "dp_dim", dp_dim,
-                          f"a dim of the mesh, whose dims are named {mesh.mesh_dim_names}")
-    dp_mesh = mesh[dp_dim]
-    for fqn, module in model.named_modules():
-        if fqn.rsplit(".", 1)[-1].isdigit():
-            fully_shard(module, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)

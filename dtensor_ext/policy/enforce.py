@@ -1,174 +1,194 @@
-"""Run-time op constraints for free ops (``torch.sum`` inside ``MoE``), applied through DTensor.
+"""Run a solved Plan: parameters distributed as solved, every traced op run on DTensors at the solved placements.
 
-While a module that runs a constrained op is executing, a TorchFunctionMode catches that op (identified by its
-signature and its ordinal among same-signature ops under that module, as in the trace), moves the constrained
-input to an allowed partition with ``redistribute`` and lets DTensor's sharding propagation place everything
-else. Plain-tensor inputs count as replicated; when every input was plain the result is returned plain again.
+A TorchFunctionMode active while the model's forward runs meets the same torch-level calls the trace recorded, in
+the same order (an op the trace did not see, such as an autograd hook's, runs unplanned on DTensors and is listed
+in ``plan.deviations``). For the k-th recorded op it turns plain-tensor inputs into replicated DTensors (a plain tensor
+holds the same value on every rank), redistributes every input to the placements the plan chose and lets DTensor
+run the op: DTensor's own propagation then produces the planned output placements and, forward and backward, the
+values one device computes. The model's outputs come back as full tensors.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.graph_view import OpNode, op_names
+from dtensor_ext.policy.graph_view import replace_tensors, tensors_in, unique_tensors
 
-__all__ = ["OpConstraint", "ConstraintEnforcer", "SeenOp"]
-
-
-@dataclass(frozen=True)
-class OpConstraint:
-    """One traced op's allowed partitions. Empty `allowed` with replica_allowed means: run it replicated."""
-
-    node: OpNode
-    allowed: tuple[tuple[int, int], ...]
-    replica_allowed: bool
-    source: str
-    owner: str = ""  # the innermost constrained module around the op (where ordinals are counted)
-    ordinal: int = 0
-    mesh_dim: str | None = None  # shard on this mesh dim only; None: on every mesh dim
-
-    def describe(self) -> str:
-        if not self.allowed:
-            return f"{self.node.signature} in {self.node.fqn or '<root>'}: replicate  [{self.source}]"
-        dims = ", ".join(f"{i},{d}" for i, d in self.allowed)
-        on = f" on mesh dim {self.mesh_dim!r}" if self.mesh_dim else ""
-        return (f"{self.node.signature} #{self.ordinal} in {self.owner or '<root>'}: allowed [{dims}]{on}, "
-                f"replica_allowed={self.replica_allowed}  [{self.source}]")
+__all__ = ["PlanExecutor"]
 
 
-@dataclass(frozen=True)
-class SeenOp:
-    """What an enforced op actually ran with: the placements of each tensor input."""
+def _full(value):
+    """DTensors in a model's output (tuples, lists, dicts such as Hugging Face's ModelOutput) -> full tensors."""
+    if isinstance(value, DTensor):
+        full = value.full_tensor()
+        if full.requires_grad:  # a loss's expanded (stride-0) gradient cannot be viewed as a shard in DTensor
+            full.register_hook(torch.Tensor.contiguous)
+        return full
+    if isinstance(value, dict):
+        for key in list(value.keys()):
+            value[key] = _full(value[key])
+        return value
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_full(v) for v in value)
+    return value
 
-    signature: str
-    module: str
-    input_placements: tuple[tuple[object, ...] | None, ...]
 
-
-class ConstraintEnforcer:
-    def __init__(self, mesh: DeviceMesh, constraints: list[OpConstraint]):
-        self.mesh = mesh
-        self.by_owner: dict[str, dict[tuple[str, int], OpConstraint]] = {}
-        for c in constraints:
-            self.by_owner.setdefault(c.owner, {})[(c.node.signature, c.ordinal)] = c
-        self.seen: list[SeenOp] = []
-        self._stack: list[tuple[str, dict[str, int]]] = []
-        self._mode = _EnforcingMode(self)
+class PlanExecutor:
+    def __init__(self, plan):
+        self.plan = plan
+        self.mesh = plan.mesh
+        self.position = 0
+        self.running = False
+        self.reduced: dict[int, tuple[DTensor, DTensor]] = {}  # id(partial value) -> (it, its first reduction)
+        self.mode = _PlanMode(self)
 
     def install(self, model: torch.nn.Module) -> None:
-        """Wrap each owner's forward, so that recomputation under activation checkpointing is enforced too."""
-        for owner in self.by_owner:
-            module = model.get_submodule(owner)
-            module.forward = self._wrapped(owner, module.forward)
+        self._distribute_parameters(model)
+        forward = model.forward
 
-    def _wrapped(self, owner: str, forward):
         @functools.wraps(forward)
-        def enforced_forward(*args, **kwargs):
-            self._stack.append((owner, {}))
-            try:
-                if len(self._stack) == 1:
-                    with self._mode:
-                        return forward(*args, **kwargs)
+        def planned_forward(*args, **kwargs):
+            return _full(self._run_from(0, forward, args, kwargs))
+
+        model.forward = planned_forward
+        for modules in self.plan.recompute_groups.values():
+            for fqn in modules:
+                if fqn:
+                    self._wrap_recomputed(model.get_submodule(fqn), self.plan.graph.module_calls[fqn].first_op)
+
+    def _wrap_recomputed(self, module: torch.nn.Module, first_op: int) -> None:
+        """Activation checkpointing runs the module's forward again during backward: run it as planned again."""
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def planned_forward(*args, **kwargs):
+            return forward(*args, **kwargs) if self.running else self._run_from(first_op, forward, args, kwargs)
+
+        module.forward = planned_forward
+
+    def _run_from(self, position: int, forward, args, kwargs):
+        if self.running:
+            return forward(*args, **kwargs)
+        self.position, self.running, self.reduced = position, True, {}
+        try:
+            with self.mode:
                 return forward(*args, **kwargs)
-            finally:
-                self._stack.pop()
-        return enforced_forward
+        finally:
+            self.running = False
 
-    def constraint_for(self, names: tuple[str, ...]) -> OpConstraint | None:
-        owner, counts = self._stack[-1]
-        signature = names[0]
-        ordinal = counts.get(signature, 0)
-        counts[signature] = ordinal + 1
-        return self.by_owner[owner].get((signature, ordinal))
-
-    def run(self, constraint: OpConstraint, func, args, kwargs):
-        args = list(args)
-        all_plain = not any(isinstance(a, DTensor) for a in (*args, *kwargs.values()))
+    def _distribute_parameters(self, model: torch.nn.Module) -> None:
         replicate = [Replicate()] * self.mesh.ndim
-        as_dtensor = (lambda t: t if isinstance(t, DTensor)
-                      else DTensor.from_local(t, self.mesh, replicate, run_check=False))
-        choice = self._choose(constraint, args)
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                a = as_dtensor(a)
-                if choice is not None and i == choice[0]:
-                    a = a.redistribute(self.mesh, self._sharded(constraint, choice[1]))
-                elif choice is None or not constraint.allowed:
-                    a = a.redistribute(self.mesh, replicate)
-                args[i] = a
-        kwargs = {k: as_dtensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        self.seen.append(SeenOp(constraint.node.signature, self._stack[-1][0], tuple(
-            tuple(a.placements) if isinstance(a, DTensor) else None for a in args)))
-        out = func(*args, **kwargs)
-        if all_plain:
-            out = _map_tensors(out, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+        done: dict[int, torch.nn.Parameter] = {}
+        names = {id(p): fqn for fqn, p in model.named_parameters()}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or isinstance(param, DTensor):
+                    continue
+                if id(param) not in done:
+                    placements = self.plan.params.get(names.get(id(param)), replicate)
+                    done[id(param)] = torch.nn.Parameter(
+                        distribute_tensor(param.detach(), self.mesh, list(placements)),
+                        requires_grad=param.requires_grad)
+                module._parameters[name] = done[id(param)]
+
+    def _move(self, d: DTensor, target: list) -> DTensor:
+        """Redistribute; a Partial value read by several ops is reduced once (DTensor's masked partials, e.g. a
+        vocab-sharded embedding's, can be reduced only once), later readers start from that reduction."""
+        if list(d.placements) == target:
+            return d
+        if not any(p.is_partial() for p in d.placements):
+            return d.redistribute(d.device_mesh, target)
+        if id(d) in self.reduced:
+            return self._move(self.reduced[id(d)][1], target)
+        moved = d.redistribute(d.device_mesh, target)
+        self.reduced[id(d)] = (d, moved)
+        return moved
+
+    def run(self, k: int, func, args, kwargs):
+        op = self.plan.ops[k]
+        operands = unique_tensors((args, kwargs))
+        if len(operands) != len(op.inputs):
+            raise PolicyError(f"running {op.node}", "inputs", len(operands),
+                              f"the {len(op.inputs)} tensor inputs the trace recorded (the model ran differently)")
+        replicate = [Replicate()] * self.mesh.ndim
+        table = {}
+        for t, target in zip(operands, op.inputs):
+            d = t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, replicate, run_check=False)
+            table[id(t)] = self._move(d, replicate if op.local else list(target))
+        if op.local:
+            out = func(*replace_tensors(args, {i: d.to_local() for i, d in table.items()}),
+                       **replace_tensors(kwargs, {i: d.to_local() for i, d in table.items()}))
+            return _wrap_outputs(out, self.mesh)
+        out = func(*replace_tensors(args, table), **replace_tensors(kwargs, table))
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        for o in outs:
+            if isinstance(o, DTensor) and o.requires_grad:
+                o.register_hook(_contiguous_gradient)
+        for o, planned in zip(outs, op.outputs):
+            if isinstance(o, DTensor) and list(map(_kind, o.placements)) != list(map(_kind, planned)):
+                self.plan.deviations.append(f"{op.node}: output {tuple(o.placements)}, planned {planned}")
         return out
 
-    def _choose(self, constraint: OpConstraint, args) -> tuple[int, int] | None:
-        """An allowed (input, dim) that the input already has or can take; None means run replicated."""
-        if not constraint.allowed:
-            return None
-        for index, dim in constraint.allowed:
-            a = args[index] if index < len(args) else None
-            if isinstance(a, DTensor) and tuple(a.placements) == tuple(self._sharded(constraint, dim % a.ndim)):
-                return index, dim % a.ndim
-        inputs_replicated = all(not isinstance(a, DTensor) or all(p.is_replicate() for p in a.placements)
-                                for a in args)
-        if constraint.replica_allowed and inputs_replicated:
-            return None
-        reasons = []
-        for index, dim in constraint.allowed:
-            a = args[index] if index < len(args) else None
-            if not isinstance(a, torch.Tensor):
-                reasons.append(f"input {index} is not a tensor")
-            elif not -a.ndim <= dim < a.ndim:
-                reasons.append(f"input {index} has {a.ndim} dims, no dim {dim}")
-            elif a.shape[dim] < self._ranks(constraint):
-                reasons.append(f"input {index} dim {dim} has size {a.shape[dim]} < {self._ranks(constraint)} ranks")
-            else:
-                return index, dim % a.ndim
-        if constraint.replica_allowed:
-            return None
-        dims = [f"{i},{d}" for i, d in constraint.allowed]
-        module = f"{self._stack[-1][0] or '<root>'} ({constraint.node.module_class_chain[-1]})"
-        raise PolicyError(f"{constraint.source}: op {constraint.node.signature} in module {module}",
-                          "allowed_partition_dims", dims,
-                          "a partition possible at run time with replica_allowed: false, but " + "; ".join(reasons))
 
 
-    def _sharded(self, constraint: OpConstraint, dim: int) -> list:
-        if constraint.mesh_dim is None:
-            return [Shard(dim)] * self.mesh.ndim
-        on = self.mesh.mesh_dim_names.index(constraint.mesh_dim)
-        return [Shard(dim) if i == on else Replicate() for i in range(self.mesh.ndim)]
 
-    def _ranks(self, constraint: OpConstraint) -> int:
-        return self.mesh.size() if constraint.mesh_dim is None else self.mesh[constraint.mesh_dim].size()
-
-
-def _map_tensors(value, fn):
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return fn(value) if isinstance(value, torch.Tensor) else value
+def _contiguous_gradient(grad):
+    """Gradients in a contiguous layout, locally and globally. DTensor's redistribute backward can return a
+    gradient whose global strides (the forward value's, e.g. transposed) disagree with its shard's (contiguous after
+    a collective); a later view's backward then fails in the local kernel."""
+    if not isinstance(grad, DTensor):
+        return None
+    local = grad.to_local()
+    if local.is_contiguous() and grad.stride() == _contiguous_strides(grad.shape):
+        return None
+    return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements, run_check=False,
+                              shape=grad.shape, stride=_contiguous_strides(grad.shape))
 
 
-class _EnforcingMode(TorchFunctionMode):
-    def __init__(self, enforcer: ConstraintEnforcer):
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _kind(p) -> tuple:
+    """A placement without its run-time state (a masked partial's mask)."""
+    return type(p).__name__, getattr(p, "dim", None), getattr(p, "reduce_op", None)
+
+
+def _wrap_outputs(out, mesh):
+    replicate = [Replicate()] * mesh.ndim
+    if isinstance(out, torch.Tensor):
+        return DTensor.from_local(out, mesh, replicate, run_check=False)
+    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+        return type(out)(_wrap_outputs(o, mesh) for o in out)
+    return out
+
+
+class _PlanMode(TorchFunctionMode):
+    def __init__(self, executor: PlanExecutor):
         super().__init__()
-        self.enforcer = enforcer
+        self.executor = executor
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.enforcer._stack or getattr(func, "__name__", "") in ("__get__", "__set__"):
+        ex = self.executor
+        if not ex.running or getattr(func, "__name__", "") in ("__get__", "__set__"):
             return func(*args, **kwargs)
-        constraint = self.enforcer.constraint_for(op_names(func))
-        if constraint is None:
-            return func(*args, **kwargs)
-        return self.enforcer.run(constraint, func, args, kwargs)
+        nodes = ex.plan.graph.nodes
+        k = ex.position
+        if k < len(nodes) and func == nodes[k].fn:
+            ex.position += 1
+            return ex.run(k, func, args, kwargs)
+        out = func(*args, **kwargs)
+        if tensors_in(out):  # an op the trace did not see (autograd hooks, other inputs): DTensor runs it unplanned
+            ex.plan.deviations.append(f"unplanned {getattr(func, '__name__', func)} before "
+                                      f"{nodes[k] if k < len(nodes) else 'the end'}")
+        return out

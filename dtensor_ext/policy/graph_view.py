@@ -20,7 +20,8 @@ from torch.overrides import TorchFunctionMode
 
 from dtensor_ext._compat import torch_op_names
 
-__all__ = ["GraphView", "OpNode", "ModuleCall", "trace_graph", "op_names"]
+__all__ = ["ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "replace_tensors", "tensors_in",
+           "trace_graph", "unique_tensors"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _POLICY_DIR = os.path.dirname(__file__)
@@ -73,6 +74,21 @@ class ModuleCall:
     last_op: int = -1
 
 
+class ClassChain(tuple):
+    """The classes of the modules around an op, outermost first, held as names. ``in`` accepts a class name or the
+    class itself (nnScaler policies write ``FFNDropout not in node.module_class_chain``)."""
+
+    def __new__(cls, modules: Sequence[torch.nn.Module] = ()):
+        chain = super().__new__(cls, (type(m).__name__ for m in modules))
+        chain.classes = tuple(type(m) for m in modules)
+        return chain
+
+    def __contains__(self, item: object) -> bool:
+        if isinstance(item, type):
+            return any(issubclass(c, item) for c in self.classes)
+        return tuple.__contains__(self, item)
+
+
 @dataclass(repr=False)
 class OpNode:
     index: int
@@ -80,7 +96,7 @@ class OpNode:
     names: tuple[str, ...]
     fqn: str
     module_fqn_chain: tuple[str, ...]
-    module_class_chain: tuple[str, ...]
+    module_class_chain: ClassChain
     call_expr: str
     args: tuple[object, ...] = field(repr=False)
     kwargs: dict[str, object] = field(repr=False)
@@ -95,7 +111,7 @@ class OpNode:
     def signature(self) -> str:
         return self.names[0]
 
-    def in_module_class(self, class_name: str) -> bool:
+    def in_module_class(self, class_name: str | type) -> bool:
         return class_name in self.module_class_chain
 
     def __str__(self) -> str:
@@ -107,10 +123,15 @@ class OpNode:
 class GraphView:
     """The traced forward: `nodes` in execution order plus every module call (by fqn, first call wins)."""
 
-    def __init__(self, model: torch.nn.Module, nodes: list[OpNode], calls: dict[str, ModuleCall]):
+    def __init__(self, model: torch.nn.Module, nodes: list[OpNode], calls: dict[str, ModuleCall],
+                 params: dict[int, str] | None = None, outputs: tuple[int, ...] = (),
+                 tensors: dict[int, torch.Tensor] | None = None):
         self.model = model
         self.nodes = nodes
         self.module_calls = calls
+        self.params = params or {}  # trace id -> parameter fqn
+        self.outputs = outputs  # trace ids of the tensors the model returned
+        self.tensors = tensors or {}  # trace id -> the traced value (shape and dtype)
         self._consumers: dict[int, list[OpNode]] = {}
         self._producer: dict[int, OpNode] = {}
         for node in nodes:
@@ -137,6 +158,12 @@ class GraphView:
     def module_classes(self) -> set[str]:
         return {cls for node in self.nodes for cls in node.module_class_chain} | {
             type(call.module).__name__ for call in self.module_calls.values()}
+
+    def module_classes_of(self, name: str | type) -> bool:
+        """Whether the model runs a module of this class (a name or the class)."""
+        if isinstance(name, type):
+            return any(isinstance(call.module, name) for call in self.module_calls.values())
+        return name in self.module_classes()
 
 
 def _caller_expression() -> str:
@@ -166,14 +193,31 @@ def _expression_at(frame) -> str:
     return text
 
 
-def _tensors_in(value) -> list[torch.Tensor]:
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a value of nested tuples, lists and dicts, in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
+        return [t for v in value for t in tensors_in(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
+        return [t for v in value.values() for t in tensors_in(v)]
     return []
+
+
+def unique_tensors(value) -> list[torch.Tensor]:
+    """An op's tensor operands as its node's operand_ids list them: each object once, in order of appearance."""
+    return list({id(t): t for t in tensors_in(value)}.values())
+
+
+def replace_tensors(value, table: dict[int, object]):
+    """The value with each tensor whose id is in `table` replaced by the table's entry."""
+    if isinstance(value, torch.Tensor):
+        return table.get(id(value), value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(replace_tensors(v, table) for v in value)
+    if isinstance(value, dict):
+        return {k: replace_tensors(v, table) for k, v in value.items()}
+    return value
 
 
 class _Recorder(TorchFunctionMode):
@@ -181,7 +225,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.nodes: list[OpNode] = []
         self.calls: dict[str, ModuleCall] = {}
-        self.stack: list[tuple[str, str]] = []  # (fqn, class name), outermost first
+        self.stack: list[tuple[str, torch.nn.Module]] = []  # (fqn, module), outermost first
         self._ids: dict[int, int] = {}  # id(tensor) -> trace id of its latest version
         self._alive: list[torch.Tensor] = []  # keeps traced tensors alive so that ids stay unique
         self._handles = []
@@ -209,7 +253,7 @@ class _Recorder(TorchFunctionMode):
 
     def _enter(self, fqn: str):
         def hook(module, args, kwargs):
-            self.stack.append((fqn, type(module).__name__))
+            self.stack.append((fqn, module))
             if fqn not in self.calls:
                 self.calls[fqn] = ModuleCall(fqn, module, tuple(self.tensor_id(a) for a in args), {
                     k: self.tensor_id(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
@@ -224,7 +268,7 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         input_ids = tuple(self.tensor_id(a) for a in args)
         kwarg_ids = tuple(self.tensor_id(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
-        operand_ids = tuple(dict.fromkeys(self.tensor_id(t) for t in _tensors_in((args, kwargs))))
+        operand_ids = tuple(dict.fromkeys(self.tensor_id(t) for t in tensors_in((args, kwargs))))
         out = func(*args, **kwargs)
         outputs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
         if not outputs or getattr(func, "__name__", "") in ("__get__", "__set__"):
@@ -232,7 +276,7 @@ class _Recorder(TorchFunctionMode):
         fqns = tuple(f for f, _ in self.stack)
         node = OpNode(
             index=len(self.nodes), fn=func, names=op_names(func), fqn=fqns[-1] if fqns else "",
-            module_fqn_chain=fqns, module_class_chain=tuple(c for _, c in self.stack),
+            module_fqn_chain=fqns, module_class_chain=ClassChain([m for _, m in self.stack]),
             call_expr=_caller_expression(), args=tuple(args), kwargs=dict(kwargs),
             input_ids=input_ids, kwarg_ids=kwarg_ids, operand_ids=operand_ids,
             output_ids=tuple(self.new_version(o) for o in outputs),
@@ -252,9 +296,18 @@ def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object]) -> Gra
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     recorder = _Recorder(model)
+    params = {id(p): name for name, p in model.named_parameters()}
     try:
         with torch.no_grad(), recorder:
-            model(*example_inputs)
+            out = model(*example_inputs)
     finally:
         recorder.remove_hooks()
-    return GraphView(model, recorder.nodes, recorder.calls)
+    outputs = tuple(recorder._ids[id(t)] for t in tensors_in(_as_container(out)) if id(t) in recorder._ids)
+    ids = {tid: t for tid, t in enumerate(recorder._alive)}
+    param_ids = {tid: params[id(t)] for tid, t in ids.items() if id(t) in params}
+    return GraphView(model, recorder.nodes, recorder.calls, param_ids, outputs, ids)
+
+
+def _as_container(value):
+    """A model's output as nested tuples, lists and dicts (Hugging Face's ModelOutput is a dict)."""
+    return dict(value) if isinstance(value, dict) else value

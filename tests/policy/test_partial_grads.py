@@ -1,4 +1,5 @@
-"""The check for plain parameters that would get partial gradients: norms are fixed, anything else is refused."""
+"""Parameters applied to sharded activations (Qwen3's per-head q_norm/k_norm, a plain per-head scale) get the
+single-device gradient: they are DTensors, so DTensor reduces their partial gradients as planned."""
 
 from __future__ import annotations
 
@@ -6,11 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtensor_ext.policy import PolicyError, build_plan, parallelize
-from dtensor_ext.testing import simulated_mesh
-from tests.policy.checks import assert_every_rank_matches
-
-COLUMN_ROW = '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0", "1,1"]\n'
+from tests.policy.test_guarantee import TP_LINEARS, check_matches_one_device
 
 
 class PerHead(nn.Module):
@@ -36,26 +33,15 @@ class Scale(nn.Module):
         return x * self.scale
 
 
-def test_per_head_norm_runs_sequence_parallel_over_the_head_dim():
-    torch.manual_seed(0)
-    model, reference = PerHead(nn.RMSNorm(2)), PerHead(nn.RMSNorm(2))
-    nn.init.normal_(model.inner.weight)
-    reference.load_state_dict(model.state_dict())
-    x = torch.randn(3, 5, 8)
-    with simulated_mesh((2,)) as mesh:
-        parallelize(model, mesh, (x,), constraints=COLUMN_ROW)
-        assert str(model.policy_plan.module_styles["inner"]) == (
-            "SequenceParallel(sequence_dim=2, use_local_output=True)")
-        model(x).square().sum().backward()
-        reference(x).square().sum().backward()
-        assert_every_rank_matches(model.inner.weight.grad, reference.inner.weight.grad)
+def _norm():
+    norm = nn.RMSNorm(2)
+    nn.init.normal_(norm.weight)
+    return norm
 
 
-def test_other_parameters_on_sharded_activations_are_refused():
-    with simulated_mesh((2,)) as mesh, pytest.raises(PolicyError) as info:
-        build_plan(PerHead(Scale()), mesh, (torch.randn(3, 5, 8),), constraints=COLUMN_ROW)
-    assert str(info.value) == (
-        "parallelize check for %2 torch.Tensor.mul in inner [x * self.scale]: field 'parameters' got "
-        "'inner.scale'; expected parameters used with replicated values only: they read activations sharded by "
-        "column-parallel proj, so each rank's gradient would be a partial sum; partition 'inner' (or shard its "
-        "parameters) or end the column-parallel region before it")
+@pytest.mark.parametrize("inner", [_norm, Scale])
+def test_parameters_on_head_sharded_activations_get_full_gradients(inner):
+    plan = check_matches_one_device(lambda: PerHead(inner()), (torch.randn(4, 5, 8),), constraints=TP_LINEARS)
+    # the case of the old silent error: the parameter meets activations sharded by the column-parallel proj
+    reader = next(op for op in plan.ops if op.node.fqn == "inner")
+    assert any(p.is_shard() for placements in reader.inputs for p in placements)

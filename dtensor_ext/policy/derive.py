@@ -1,0 +1,225 @@
+"""Each traced op's candidate shardings, found by DTensor itself.
+
+For one mesh dim at a time, every op is run on fake DTensors (no data, no communication) once for each
+combination of its inputs' placements on that dim (Replicate, Partial, Shard on each dim that divides evenly).
+A combination is a candidate when DTensor runs the op, forward and backward, without any collective: then its
+sharding propagation (torch's strategies plus this package's rules) accepted those input placements as they are,
+and the output placements it produced are what the op will produce when the plan runs. Everything that moves data
+is then a redistribution between one op's output and the next op's input, which the solver prices.
+
+Results are cached by the op and its input shapes and arguments, so repeated layers are enumerated once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from dtensor_ext._compat import fake_tensor_mode, outside_dispatch_modes, outside_simulated_ranks
+from dtensor_ext.policy.graph_view import OpNode, replace_tensors, tensors_in, unique_tensors
+
+__all__ = ["Candidate", "NodeOptions", "enumerate_candidates", "is_inplace", "operand_tensors"]
+
+# Beyond this many input combinations, only those with at most two non-replicated inputs, plus the ones that shard
+# every input of the same rank alike, are tried (attention's q, k, v by heads).
+MAX_COMBINATIONS = 160
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way DTensor runs the op on one mesh dim without communicating."""
+
+    inputs: tuple  # placement of each operand (graph order: node.operand_ids)
+    outputs: tuple  # placement of each tensor output
+    grads: tuple  # placement of each operand's gradient (None: no gradient)
+    divides: bool  # some input is sharded: the compute is split over the dim's ranks
+
+    @property
+    def replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.inputs)
+
+
+@dataclass
+class NodeOptions:
+    """A node's candidates on one mesh dim, and the work it does on one device (flops, bytes touched)."""
+
+    candidates: list[Candidate]
+    flops: int
+    nbytes: int
+    tried: dict  # input placements -> why they were refused (a collective DTensor needed, or its error)
+
+
+def is_inplace(node: OpNode) -> bool:
+    """The op writes its first input (``x.add_(y)``, ``x /= y``)."""
+    name = getattr(node.fn, "__name__", "")
+    return name.startswith("__i") and name.endswith("__") or (name.endswith("_") and not name.startswith("_"))
+
+
+def operand_tensors(node: OpNode) -> list[torch.Tensor]:
+    """The traced tensors an op read, in the order of node.operand_ids (each object once)."""
+    return unique_tensors((node.args, node.kwargs))
+
+
+def _key_of(value):
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.dtype, value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_key_of(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _key_of(v)) for k, v in value.items()))
+    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, slice, type(Ellipsis))):
+        return repr(value)
+    raise _Uncacheable  # an argument whose value a key cannot capture: enumerate the op for itself
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _placements(t: torch.Tensor, size: int, is_param: bool) -> list:
+    options = [Replicate()]
+    if t.is_floating_point() and not is_param and t.ndim > 0:
+        options.append(Partial())
+    options += [Shard(d) for d in range(t.ndim) if t.shape[d] >= size and t.shape[d] % size == 0]
+    return options
+
+
+def _combinations(options: list[list]) -> list[tuple]:
+    every = list(itertools.product(*options))
+    if len(every) <= MAX_COMBINATIONS:
+        return every
+    few = [c for c in every if sum(not p.is_replicate() for p in c) <= 2]
+    alike = [c for c in every if len({p for p in c if not p.is_replicate()}) == 1
+             and all(p.is_shard() for p in c if not p.is_replicate())]
+    return list(dict.fromkeys(few + alike))
+
+
+# Candidates depend on the op, its inputs' shapes and arguments and the mesh dim's size only: kept for the process.
+_FOUND: dict[tuple, NodeOptions] = {}
+
+
+class CandidateCache:
+    """Candidates per (mesh dim size, op, input shapes and arguments): each repeated layer is enumerated once, and
+    again never in this process."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self.cache = _FOUND
+
+    def options(self, node: OpNode, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
+        """Mesh dims of the same size share candidates: they are found on the first of them."""
+        size = self.mesh.size(mesh_dim)
+        first = next(d for d in range(self.mesh.ndim) if self.mesh.size(d) == size)
+        try:
+            key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands)
+        except _Uncacheable:
+            return enumerate_candidates(node, *self._one_dim(first), param_operands)
+        if key not in self.cache:
+            self.cache[key] = enumerate_candidates(node, *self._one_dim(first), param_operands)
+        return self.cache[key]
+
+    def _one_dim(self, mesh_dim: int) -> tuple[DeviceMesh, int]:
+        """The 1-D mesh of a named mesh dim (DTensor propagates on it several times faster than on the whole
+        mesh with Replicate elsewhere, with the same candidates); the whole mesh where dims have no names."""
+        names = self.mesh.mesh_dim_names
+        if self.mesh.ndim == 1 or not names:
+            return self.mesh, mesh_dim
+        with outside_simulated_ranks():
+            return self.mesh[names[mesh_dim]], 0
+
+
+def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
+    """Run `node` on fake DTensors for every combination of input placements on `mesh_dim` (Replicate on the
+    other dims) and keep those DTensor runs forward and backward without communicating."""
+    size = mesh.size(mesh_dim)
+    operands = operand_tensors(node)
+    options = [_placements(t, size, k in param_operands) for k, t in enumerate(operands)]
+    candidates, tried = [], {}
+    with outside_simulated_ranks(), outside_dispatch_modes(), fake_tensor_mode() as fake:
+        fakes = [fake.from_tensor(t) for t in operands]
+        flops, nbytes = _work(node, operands, fakes)
+        for combo in _combinations(options):
+            found = _try(node, mesh, mesh_dim, operands, fakes, combo)
+            if isinstance(found, Candidate):
+                candidates.append(found)
+            else:
+                tried[combo] = found
+    return NodeOptions(candidates, flops, nbytes, tried)
+
+
+def _work(node: OpNode, operands, fakes) -> tuple[int, int]:
+    table = {id(t): f for t, f in zip(operands, fakes)}
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            out = node.fn(*replace_tensors(node.args, table), **replace_tensors(node.kwargs, table))
+    except Exception:  # an op fake tensors cannot run is priced by its bytes alone
+        out = ()
+    touched = sum(t.numel() * t.element_size() for t in [*operands, *tensors_in(out)])
+    return counter.get_total_flops(), touched
+
+
+def _sharded(mesh: DeviceMesh, mesh_dim: int, placement) -> list:
+    return [placement if d == mesh_dim else Replicate() for d in range(mesh.ndim)]
+
+
+def _local_shape(shape, mesh: DeviceMesh, mesh_dim: int, placement) -> list[int]:
+    shape = list(shape)
+    if placement.is_shard():
+        shape[placement.dim] //= mesh.size(mesh_dim)
+    return shape
+
+
+def _as_dtensor(fake_global, mesh, mesh_dim, placement, grad: bool):
+    local = torch.empty(_local_shape(fake_global.shape, mesh, mesh_dim, placement), dtype=fake_global.dtype)
+    d = DTensor.from_local(local, mesh, _sharded(mesh, mesh_dim, placement), run_check=False,
+                           shape=fake_global.shape, stride=fake_global.stride())
+    return d.requires_grad_() if grad else d
+
+
+def _try(node: OpNode, mesh, mesh_dim, operands, fakes, combo) -> Candidate | str:
+    grads_wanted = [f.is_floating_point() for f in fakes]
+    dts = [_as_dtensor(f, mesh, mesh_dim, p, g) for f, p, g in zip(fakes, combo, grads_wanted)]
+    try:
+        with torch.enable_grad(), CommDebugMode() as comm:
+            # non-leaf copies, so that in-place ops may write to them as they write to activations
+            table = {id(t): d.clone() if d.requires_grad else d for t, d in zip(operands, dts)}
+            out = node.fn(*replace_tensors(node.args, table), **replace_tensors(node.kwargs, table))
+        if comm.get_total_counts():
+            return f"DTensor communicates ({_counts(comm)})"
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        if not all(isinstance(o, DTensor) for o in outs):
+            return "the op returned a plain tensor"
+        placements = tuple(o.placements[mesh_dim] for o in outs)
+        grads = _backward(outs, dts, mesh, mesh_dim)
+        if isinstance(grads, str):
+            return grads
+    except Exception as exc:  # DTensor refused these placements (or has no rule): not a candidate
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+    divides = any(p.is_shard() for p in combo) or any(p.is_shard() for p in placements)
+    return Candidate(tuple(combo), placements, grads, divides)
+
+
+def _backward(outs, dts, mesh, mesh_dim):
+    pairs = [(o, _as_dtensor(o, mesh, mesh_dim, Replicate() if o.placements[mesh_dim].is_partial()
+                             else o.placements[mesh_dim], False))
+             for o in outs if o.requires_grad and o.is_floating_point()]
+    wanted = [d for d in dts if d.requires_grad]
+    if not pairs or not wanted:
+        return tuple(None for _ in dts)
+    with CommDebugMode() as comm:
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+    if comm.get_total_counts():
+        return f"DTensor's backward communicates ({_counts(comm)})"
+    by_id = {id(d): g for d, g in zip(wanted, grads)}
+    return tuple(by_id[id(d)].placements[mesh_dim] if isinstance(by_id.get(id(d)), DTensor) else None for d in dts)
+
+
+def _counts(comm: CommDebugMode) -> str:
+    return ", ".join(f"{getattr(op, '__name__', op)} x{n}" for op, n in comm.get_comm_counts().items())

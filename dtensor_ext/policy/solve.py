@@ -1,0 +1,85 @@
+"""The exact choice of one candidate per op (and one placement per parameter) on one mesh dim, by HiGHS.
+
+Variables: x[v, k] = 1 when op v runs its candidate k. Each dataflow edge (a producer's output read as a consumer's
+input) carries a transport block y[p, q] >= 0 whose row sums equal the producer's choice of output placement p and
+whose column sums equal the consumer's choice of input placement q (with the gradient placement it sends back);
+y[p, q] costs the redistribution p -> q in forward plus the gradient's way back. With x integral the blocks are
+exact, so the optimum is the cheapest plan among DTensor's own candidates: no relaxation, no heuristic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtensor_ext.policy.errors import PolicyError
+
+__all__ = ["Problem", "solve"]
+
+
+@dataclass
+class Problem:
+    """One mesh dim's choice. `options[v]` lists op v's candidates as (inputs, outputs, grads, unary cost);
+    `edges` are (producer, output slot, consumer, operand slot, cost(p, q, g) or None where impossible)."""
+
+    options: list[list[tuple]]
+    edges: list[tuple]
+    names: list[str]
+
+
+def solve(problem: Problem, where: str) -> tuple[list[int], float]:
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    costs: list[float] = []
+    first: list[int] = []
+    for opts in problem.options:
+        first.append(len(costs))
+        costs += [o[3] for o in opts]
+    rows: list[tuple[float, list[int], list[float]]] = []  # (rhs, columns, coefficients)
+    for v, opts in enumerate(problem.options):
+        rows.append((1.0, list(range(first[v], first[v] + len(opts))), [1.0] * len(opts)))
+    for u, slot_out, v, slot_in, price in problem.edges:
+        outs: dict = {}
+        for k, o in enumerate(problem.options[u]):
+            outs.setdefault(o[1][slot_out], []).append(first[u] + k)
+        ins: dict = {}
+        for k, o in enumerate(problem.options[v]):
+            ins.setdefault((o[0][slot_in], o[2][slot_in]), []).append(first[v] + k)
+        block = {}
+        for p in outs:
+            for q, g in ins:
+                cost = price(p, q, g)
+                if cost is not None:  # an impossible move gets no variable: the pair cannot be chosen together
+                    block[p, (q, g)] = len(costs)
+                    costs.append(cost)
+        for p, columns in outs.items():
+            ys = [block[p, qg] for qg in ins if (p, qg) in block]
+            rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
+        for qg, columns in ins.items():
+            ys = [block[p, qg] for p in outs if (p, qg) in block]
+            rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
+    n = len(costs)
+    h.addVars(n, np.zeros(n), np.ones(n))
+    h.changeColsCost(n, np.arange(n), np.array(costs, dtype=float))
+    n_choice = sum(len(o) for o in problem.options)
+    h.changeColsIntegrality(n_choice, np.arange(n_choice), np.array([highspy.HighsVarType.kInteger] * n_choice))
+    starts, indices, values = [], [], []
+    for _, columns, coefficients in rows:
+        starts.append(len(indices))
+        indices += columns
+        values += coefficients
+    rhs = np.array([r[0] for r in rows])
+    h.addRows(len(rows), rhs, rhs, len(indices), np.array(starts), np.array(indices), np.array(values))
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        raise PolicyError(where, "<constraints>", str(h.getModelStatus()),
+                          "constraints that some plan satisfies (HiGHS found none)")
+    x = h.getSolution().col_value
+    chosen = []
+    for v, opts in enumerate(problem.options):
+        values_v = [x[first[v] + k] for k in range(len(opts))]
+        chosen.append(int(np.argmax(values_v)))
+    return chosen, h.getInfo().objective_function_value
