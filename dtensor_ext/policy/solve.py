@@ -9,6 +9,8 @@ exact, so the optimum is the cheapest plan among DTensor's own candidates: no re
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,11 +30,26 @@ class Problem:
     names: list[str]
 
 
+def _quiet_highs(highspy):
+    """A HiGHS instance that prints nothing: its C++ constructor writes a banner straight to file descriptor 1
+    (before any option can be set), so stdout is pointed at /dev/null while it is built."""
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def solve(problem: Problem, where: str) -> tuple[list[int], float]:
     import highspy
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = _quiet_highs(highspy)
     costs: list[float] = []
     first: list[int] = []
     for opts in problem.options:

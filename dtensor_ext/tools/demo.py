@@ -132,7 +132,9 @@ def _parallelize(model: TinyLlama, mesh, tokens: torch.Tensor, with_package: boo
         from dtensor_ext.policy import parallelize
 
         parallelize(model, mesh, (tokens,), constraints=model.config.policy_file)
-        styles = {fqn: str(spec) for fqn, spec in model.policy_plan.module_styles.items()}
+        styles = {fqn: "(" + ", ".join(map(str, placements)) + ")"  # the solved placement of each sharded parameter
+                  for fqn, placements in model.policy_plan.params.items()
+                  if not all(isinstance(p, Replicate) for p in placements)}
         experts = moe_tensor_parallel_plan(model)
         parallelize_module(model, tp_mesh, experts)
     else:
