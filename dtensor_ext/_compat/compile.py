@@ -78,7 +78,9 @@ def override_meta_kernel(op: torch._ops.OpOverload, make_kernel: Callable[[Calla
         library = torch.library.Library(namespace, "IMPL")
         with warnings.catch_warnings():  # the dispatcher warns that a Meta kernel is overridden: that is the point
             warnings.simplefilter("ignore", UserWarning)
-            library.impl(name if op._overloadname == "default" else f"{name}.{op._overloadname}", forward, "Meta")
+            # torch 2.11/2.12 refuse to replace a Python Meta kernel of torch's own unless asked (2.13+ allow it)
+            library.impl(name if op._overloadname == "default" else f"{name}.{op._overloadname}", forward, "Meta",
+                         allow_override=True)
         current.append(library)  # kept alive for the process
         op.py_kernels[DispatchKey.Meta] = forward
         op._dispatch_cache.clear()
