@@ -74,15 +74,17 @@ def _planned(previous):
     # wraps: probes that read the replaced function (its source, its name) still see torch's
     @functools.wraps(previous)
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
-        if _compat.tracing_for_compile():  # torch plans differently while tracing, without its caches
-            return previous(local_tensor, current_spec, target_spec, **kwargs)
         key = (current_spec, target_spec, enabled_local_tensor_mode() is not None)
         decided = _decisions.get(key)
         # meshes compare equal by shape and ranks; a decision holds the groups of the mesh it was made on
         if decided is None or decided[0] is not current_spec.mesh:
+            if _compat.tracing_for_compile():  # no decision from traced (possibly symbolic) specs
+                return previous(local_tensor, current_spec, target_spec, **kwargs)
             decided = _decisions[key] = (current_spec.mesh, _decide(current_spec, target_spec))
         program = decided[1]
-        if program is None:
+        # while tracing for torch.compile torch plans differently, without its caches: its move (asked only where
+        # the planner would run, as the question costs more than the lookup)
+        if program is None or _compat.tracing_for_compile():
             return previous(local_tensor, current_spec, target_spec, **kwargs)
         return program.run(local_tensor)
 

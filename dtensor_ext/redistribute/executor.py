@@ -53,6 +53,13 @@ class _Ranks:
         self.index = {r: _row_major(c, mesh_shape) for r, c in coords.items()}
         self.coords = coordinates(mesh_shape)
         self._groups: dict = {}
+        self._memo: dict = {}
+
+    def memo(self, key, make):
+        """make() once per key: a Program runs the same steps every call, so their routing is worked out once."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def per_rank(self, fn, *tensors):
         """fn(mesh index, *that rank's tensors) on every simulated rank, or on this process's rank."""
@@ -123,7 +130,8 @@ def _row_major(coord, mesh_shape) -> int:
     return index
 
 
-def _positions(held, wanted) -> list[slice | torch.Tensor]:
+@functools.lru_cache(maxsize=65536)  # pure in its interval tuples; a plan's steps ask for the same ones every call
+def _positions(held, wanted) -> tuple[slice | torch.Tensor, ...]:
     """Per dim: where the `wanted` global indices sit inside a local tensor holding `held` (a slice if contiguous)."""
     out = []
     for held_dim, wanted_dim in zip(held, wanted):
@@ -137,7 +145,7 @@ def _positions(held, wanted) -> list[slice | torch.Tensor]:
             out.append(slice(*ranges[0]) if ranges else slice(0, 0))
         else:
             out.append(torch.cat([torch.arange(lo, hi) for lo, hi in ranges]))
-    return out
+    return tuple(out)
 
 
 def _select(t: torch.Tensor, positions) -> torch.Tensor:
@@ -158,19 +166,31 @@ def _all_to_all(ranks: _Ranks, step: Step, transfers, pack, *local, send_recv: b
     """One all_to_all_single carrying `transfers` on the group of the step's mesh dims (batched isend/irecv pairs
     where `send_recv` and the ranks are real processes); pack(rank, *that rank's tensors, its outgoing transfers in
     destination order) gives the tensors it sends. Returns the received buffer (pieces in source order)."""
-    sizes: dict[tuple[int, int], int] = {}
-    for t in transfers:
-        sizes[t.src, t.dst] = sizes.get((t.src, t.dst), 0) + _numel(t.block)
     group, members = ranks.group(step.mesh_dims)
+    outgoing, output_sizes, input_sizes = ranks.memo(("all_to_all", id(transfers)), lambda: _routes(ranks, transfers, members))
 
     def flat(r, *xs):
-        order = members(r)
-        outgoing = sorted((t for t in transfers if t.src == r), key=lambda t: order.index(t.dst))
-        parts = [p.reshape(-1) for p in pack(r, *xs, outgoing)]
+        parts = [p.reshape(-1) for p in pack(r, *xs, outgoing[r])]
         return torch.cat(parts) if parts else xs[0].new_zeros(0)
 
+    if send_recv and not ranks.simulated:
+        return _send_recv(ranks.per_rank(flat, *local), output_sizes, input_sizes, group)
+    return funcol.all_to_all_single(ranks.per_rank(flat, *local), output_sizes, input_sizes, group)
+
+
+def _routes(ranks: _Ranks, transfers, members):
+    """(mesh index -> its outgoing transfers in destination order, output split sizes, input split sizes) of an
+    all_to_all carrying `transfers`: per group position, the elements a rank receives from (sends to) the member
+    there."""
+    sizes: dict[tuple[int, int], int] = {}
+    outgoing: dict[int, list] = {}
+    for t in transfers:
+        sizes[t.src, t.dst] = sizes.get((t.src, t.dst), 0) + _numel(t.block)
+    for i in ranks.index.values():
+        order = members(i)
+        outgoing[i] = sorted((t for t in transfers if t.src == i), key=lambda t: order.index(t.dst))
+
     def split_sizes(sending: bool) -> list:
-        """Per group position: the elements each rank sends to (or receives from) the member there."""
         out = []
         for position in range(len(members(0))):
             def elements(i, position=position):
@@ -181,9 +201,7 @@ def _all_to_all(ranks: _Ranks, step: Step, transfers, pack, *local, send_recv: b
             out.append(local_int(values) if isinstance(values, dict) else values)
         return out
 
-    if send_recv and not ranks.simulated:
-        return _send_recv(ranks.per_rank(flat, *local), split_sizes(False), split_sizes(True), group)
-    return funcol.all_to_all_single(ranks.per_rank(flat, *local), split_sizes(False), split_sizes(True), group)
+    return outgoing, split_sizes(False), split_sizes(True)
 
 
 def _send_recv(buffer: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group) -> torch.Tensor:
@@ -205,14 +223,19 @@ def _send_recv(buffer: torch.Tensor, output_sizes: list[int], input_sizes: list[
     return torch.cat(received)
 
 
-def _received(transfers, rank: int, buffer: torch.Tensor, members):
+def _received(ranks: _Ranks, transfers, rank: int, buffer: torch.Tensor, members):
     """(transfer, its tensor) for each piece `rank` received, in the order `_all_to_all` laid them out."""
-    offset = 0
-    order = members(rank)
-    for t in sorted((t for t in transfers if t.dst == rank), key=lambda t: order.index(t.src)):
-        shape = [sum(b - a for a, b in d) for d in t.block]
+
+    def layout():
+        order, offset, out = members(rank), 0, []
+        for t in sorted((t for t in transfers if t.dst == rank), key=lambda t: order.index(t.src)):
+            shape = [sum(b - a for a, b in d) for d in t.block]
+            out.append((t, offset, shape))
+            offset += math.prod(shape)
+        return out
+
+    for t, offset, shape in ranks.memo(("received", id(transfers), rank), layout):
         yield t, buffer[offset : offset + math.prod(shape)].reshape(shape)
-        offset += math.prod(shape)
 
 
 def _numel(block) -> int:
@@ -265,7 +288,7 @@ def _exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout, s
         if _numel(kept):
             _assign(out, _positions(after.blocks[r], kept), _select(x, _positions(before.blocks[r], kept)))
         if received is not None:
-            for t, piece in _received(step.transfers, r, received, ranks.group(step.mesh_dims)[1]):
+            for t, piece in _received(ranks, step.transfers, r, received, ranks.group(step.mesh_dims)[1]):
                 _assign(out, _positions(after.blocks[r], t.block), piece)
         return _zero_new_partials(r, out, step, before)
 
@@ -277,13 +300,14 @@ def _exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout, s
 
 def _reduce_exchange(ranks: _Ranks, local, step: Step, before: Layout, after: Layout):
     """Partial pieces to the merging ranks, a local reduction there, the results to the ranks that need them."""
-    gather = [Transfer(src, m.rank, m.block) for m in step.merges for src in m.sources]
+    # kept per step: the routing memo is keyed by the transfers' identity
+    gather = ranks.memo(("merges", id(step)), lambda: tuple(Transfer(src, m.rank, m.block) for m in step.merges for src in m.sources))
     reduce_op = next(p.reduce_op for p, q in zip(step.before, step.after) if isinstance(p, Partial) and p != q)
 
     def merge(r, x, pieces) -> torch.Tensor:
         """The reduced values of every block rank r merges, flattened one after another in merge order."""
         parts = {m.block: [_select(x, _positions(before.blocks[r], m.block))] for m in step.merges if m.rank == r}
-        for t, piece in _received(gather, r, pieces, ranks.group(step.mesh_dims)[1]):
+        for t, piece in _received(ranks, gather, r, pieces, ranks.group(step.mesh_dims)[1]):
             parts[t.block].append(piece)
         flat = [_combine(values, reduce_op).reshape(-1) for values in parts.values()]
         return torch.cat(flat) if flat else x.new_zeros(0)
@@ -308,7 +332,7 @@ def _reduce_exchange(ranks: _Ranks, local, step: Step, before: Layout, after: La
             if m.rank == r and m.keeps:
                 _assign(out, _positions(after.blocks[r], m.block), mine[m.block])
         if received is not None:
-            for t, piece in _received(step.transfers, r, received, ranks.group(step.mesh_dims)[1]):
+            for t, piece in _received(ranks, step.transfers, r, received, ranks.group(step.mesh_dims)[1]):
                 _assign(out, _positions(after.blocks[r], t.block), piece)
         return out
 

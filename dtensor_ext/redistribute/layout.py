@@ -15,9 +15,8 @@ from functools import cached_property, lru_cache
 
 from dtensor_ext._compat import Placement, StridedShard
 from dtensor_ext.redistribute.placements import is_shard
-from dtensor_ext.testing.layout import chunk_sizes
 
-__all__ = ["Intervals", "Layout", "coordinates", "intersect", "count", "split_block"]
+__all__ = ["Intervals", "Layout", "chunk_sizes", "coordinates", "intersect", "count", "layout_of", "split_block"]
 
 Intervals = tuple[tuple[int, int], ...]  # sorted, disjoint [start, stop) ranges along one tensor dim
 Block = tuple[Intervals, ...]  # one Intervals per tensor dim: the elements are their product
@@ -26,6 +25,17 @@ Block = tuple[Intervals, ...]  # one Intervals per tensor dim: the elements are 
 def coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
     """Mesh coordinates in rank order (row-major, as init_device_mesh lays ranks out)."""
     return list(itertools.product(*[range(n) for n in mesh_shape]))
+
+
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """DTensor's Shard layout: torch.chunk sizes, trailing ranks possibly empty."""
+    step = -(-size // parts) if size else 0
+    sizes = []
+    left = size
+    for _ in range(parts):
+        sizes.append(min(step, left))
+        left -= sizes[-1]
+    return sizes
 
 
 def _take(intervals: Intervals, start: int, stop: int) -> Intervals:

@@ -17,23 +17,13 @@ from collections.abc import Sequence
 import torch
 
 from dtensor_ext._compat import Partial, Placement, Replicate, Shard, current_local_tensor_mode
+from dtensor_ext.redistribute.layout import chunk_sizes
 
 __all__ = ["chunk_sizes", "place", "reassemble", "LayoutMismatch"]
 
 
 class LayoutMismatch(AssertionError):
     """The ranks' pieces do not form the expected tensor under the claimed placements."""
-
-
-def chunk_sizes(size: int, parts: int) -> list[int]:
-    """DTensor's Shard layout: torch.chunk sizes, trailing ranks possibly empty."""
-    step = -(-size // parts) if size else 0
-    sizes = []
-    left = size
-    for _ in range(parts):
-        sizes.append(min(step, left))
-        left -= sizes[-1]
-    return sizes
 
 
 def _pattern(shape: tuple[int, ...], salt: int, period: int = 2) -> torch.Tensor:

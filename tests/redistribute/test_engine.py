@@ -242,3 +242,16 @@ def test_where_the_planner_cannot_beat_torch_torch_runs_with_its_own_collectives
     engine.disable()
     assert ran["planner"] == ran["torch"]
     assert ran["torch"][0] == {"c10d_functional.all_gather_into_tensor": 1}
+
+
+def test_the_engine_imports_nothing_of_the_testing_kit():
+    """No simulated mesh at run time: the engine, the executor and the planners load without dtensor_ext.testing."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dtensor_ext, dtensor_ext.redistribute.engine, dtensor_ext.redistribute.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith('dtensor_ext.testing')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

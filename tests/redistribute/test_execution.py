@@ -5,12 +5,12 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
-from dtensor_ext._compat import Replicate, Shard, enabled_local_tensor_mode
+from dtensor_ext._compat import Replicate, Shard
 from dtensor_ext.redistribute import engine, parse_placements, plan, redistribute
 from dtensor_ext.redistribute.layout import count
 from dtensor_ext.redistribute.measure import CollectiveRecorder
-from dtensor_ext.testing import local_values, rank_coordinates, simulated_mesh
-from dtensor_ext.testing.layout import place, reassemble
+from dtensor_ext.testing import local_values, simulated_mesh
+from dtensor_ext.testing.layout import reassemble
 from tests.redistribute.strategies import execution_requests, placed_dtensor
 
 P = parse_placements

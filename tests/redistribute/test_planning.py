@@ -360,3 +360,16 @@ def test_planning_effort_is_bounded_for_any_request(request):
     best = plan(shape, mesh_shape, src, dst, objective=objective)
     assert best.work <= _work_allowed(mesh_shape)
     assert (best.steps[-1].after if best.steps else src) == dst
+
+
+def test_cli_dtensor_column_is_torchs_planner_as_gloo_ranks_run_it(capsys):
+    from dtensor_ext.__main__ import main
+
+    args = ["plan", "--shape", "256,256", "--mesh", "2,2,2", "--src", "S0,S0,S0", "--dst", "S1,S1,S1"]
+    assert main([*args, "--planners", "dtensor"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("  ") and line.split()[0][:-1].isdigit()] == [
+        "all_gather", "all_gather", "all_gather", "local", "local"
+    ]
+    assert "read without running" in out and "on NCCL that step is one all_to_all" in out
+    assert "recv x8.00" in out

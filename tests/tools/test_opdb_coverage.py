@@ -181,8 +181,9 @@ def test_json_output_has_the_documented_fields():
     assert status == 0
     assert set(result) == {
         "torch", "dtensor_ext", "options", "seconds", "ops_measured", "samples_run", "excluded", "skipped_samples",
-        "shardings_not_run", "results", "fixed_by_family", "broken_by_package",
+        "shardings_not_run", "results", "fixed_by_family", "broken_by_package", "communication_vs_torch",
     }
+    assert result["communication_vs_torch"]["2x2"] == {"differ": {}, "more_than_torch": []}
     assert set(result["results"]) == {"1d4", "2x2"}
     per_mode = result["results"]["2x2"]["with"]
     assert set(per_mode) == {"ops", "runs", "communicated_although_local_possible", "fallback_runs", "examples"}
