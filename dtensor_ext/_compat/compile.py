@@ -149,3 +149,10 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def dynamo_backend(name: str) -> Callable:
+    """The compiler ``torch.compile(backend=name)`` uses (e.g. "aot_eager", "inductor"), to wrap with a counter."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(name)

@@ -1,0 +1,100 @@
+"""Compile matrix: scenario x backend, with the package and with torch alone, on 2 real gloo ranks (CPU).
+
+For each cell: ok / fails (the first line of the error), the graphs dynamo handed to the backend (graph breaks =
+graphs - 1 for these single-function scenarios), the seconds of the first call (compile + one run), and the ratio
+of the package's compile time to torch alone's. Each (scenario, backend) pair runs `--repeats` times with the order
+of "package" and "torch alone" rotated, and keeps the best time of each (the machine may be loaded by others).
+
+Scenarios (torch's own ParallelStyles, the package's TinyLlama):
+- dense: TinyLlama, torchtitan's TP+SP plan, forward + backward;
+- moe: TinyLlama with 4 experts (float32 grouped GEMMs), same plan;
+- embedding-dynamic: a vocab-parallel nn.Embedding (RowwiseParallel) compiled with dynamic=True, called with three
+  sequence lengths (graphs counts recompiles).
+
+    PYTHONPATH=. python benchmarks/compile_matrix.py [--scenarios dense moe embedding-dynamic]
+        [--backends aot_eager inductor] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from tests.autotune.ranks import run_ranks
+
+SCENARIOS = ("dense", "moe", "embedding-dynamic")
+
+
+def _cell(rank: int, scenario: str, backend: str, package: bool) -> tuple:
+    """(outcome, graphs, seconds of the first call) on this rank."""
+    import dtensor_ext
+    from dtensor_ext import _compat
+
+    if not package:
+        dtensor_ext.uninstall()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from dtensor_ext.models.llama import LlamaConfig, TinyLlama, torchtitan_plan
+
+    graphs, inner = [], _compat.dynamo_backend(backend)
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return inner(gm, example_inputs)
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,))
+    try:
+        start = time.perf_counter()
+        if scenario == "embedding-dynamic":
+            embedding = torch.nn.Embedding(16, 8)
+            parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate()))
+            compiled = torch.compile(embedding, backend=counting, dynamic=True)
+            for length in (5, 7, 9):
+                compiled(torch.randint(0, 16, (2, length)))
+        else:
+            config = LlamaConfig(n_experts=4 if scenario == "moe" else 0)
+            model = TinyLlama(config)
+            parallelize_module(model, mesh, torchtitan_plan(config))
+            torch.compile(model, backend=counting)(torch.randint(0, config.vocab_size, (2, 8))).sum().backward()
+        seconds = time.perf_counter() - start
+    except Exception as exc:
+        return "fails: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0][:80], len(graphs), None
+    return "ok", len(graphs), seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--backends", nargs="+", choices=("aot_eager", "inductor"), default=["aot_eager", "inductor"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, 2 gloo ranks; best of {args.repeats}, order rotated; seconds of rank 0")
+    print("scenario | backend | package: outcome, graphs, s | torch alone: outcome, graphs, s | time ratio")
+    for scenario in args.scenarios:
+        for backend in args.backends:
+            best = {True: None, False: None}
+            for repeat in range(args.repeats):
+                for package in ((True, False) if repeat % 2 == 0 else (False, True)):
+                    outcome, graphs, seconds = run_ranks(_cell, scenario, backend, package, world=2,
+                                                         timeout_s=590)[0]
+                    kept = best[package]
+                    if kept is None or (seconds is not None and (kept[2] is None or seconds < kept[2])):
+                        best[package] = (outcome, graphs, seconds)
+            ours, alone = best[True], best[False]
+            ratio = f"{ours[2] / alone[2]:.2f}x" if ours[2] and alone[2] else "-"
+
+            def cell(r):
+                return f"{r[0]}, {r[1]}, {r[2]:.1f}" if r[2] is not None else f"{r[0]}, {r[1]}, -"
+
+            print(f"{scenario} | {backend} | {cell(ours)} | {cell(alone)} | {ratio}", flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
