@@ -53,7 +53,7 @@ CONFIGS = {
 
 def tiny(name: str):
     class_name, extra = CONFIGS[name]
-    config = getattr(transformers, class_name)(**{**SIZES, **extra})
+    config = getattr(transformers, class_name)(**{**SIZES, **extra}, use_cache=False)
     config._attn_implementation = "sdpa" if name != "gemma2" else "eager"
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).float()

@@ -378,9 +378,10 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                 places += [Shard(d) for d in range(value.ndim) if value.shape[d] % mesh.size(m) == 0
                            and value.shape[d] >= mesh.size(m)]
             options.append([((), (p,), (), 0.0) for p in places])
-        edges = []
+        edges, readers = [], {}
         for node in graph.nodes:
             for slot, tid in enumerate(node.operand_ids):
+                readers.setdefault(tid, []).append((node.index, slot))
                 u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
                 price = _pricer(graph.tensors[tid], model, m, mesh.size(m))
                 if slot == 0 and is_inplace(node):
@@ -393,7 +394,9 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                 u, o = producers[tid]
                 edges.append((u, o, sink, 0, _pricer(graph.tensors[tid], model, m, mesh.size(m))))
         names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
-        picks, cost = solve(Problem(options, edges, names), f"mesh dim {m}")
+        reductions = [(_reduction_s(graph.tensors[tid], model, m), found) for tid, found in readers.items()
+                      if graph.tensors[tid].is_floating_point()]
+        picks, cost = solve(Problem(options, edges, names, reductions), f"mesh dim {m}")
         total += cost
         for node in graph.nodes:
             c = options[node.index][picks[node.index]]
@@ -452,12 +455,17 @@ def _pricer(value: torch.Tensor, model, mesh_dim: int, ranks: int):
 
     def price(p, q, g) -> float | None:
         forward = move(p, q)
-        if forward is None or g is None or not value.is_floating_point():
-            return forward
+        if forward is None or g is None or g.is_partial() or not value.is_floating_point():
+            return forward  # a Partial gradient is reduced once for all readers (see _reduction_s)
         back = move(g, Replicate() if p.is_partial() else p)
         return None if back is None else forward + back
 
     return price
+
+
+def _reduction_s(value: torch.Tensor, model, mesh_dim: int) -> float:
+    """Reducing the summed Partial gradients of a value: priced as an all-reduce of the whole value."""
+    return model.collective_time("all_reduce", (mesh_dim,), value.numel() * value.element_size())
 
 
 def _unmoved(price):
