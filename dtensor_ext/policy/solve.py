@@ -29,6 +29,8 @@ class Problem:
     # (cost, [(op, operand slot), ...]): paid once when any of these ops' chosen candidates sends a Partial
     # gradient back through that slot (autograd sums the partial gradients first, DTensor then reduces once)
     reductions: list[tuple] = field(default_factory=list)
+    # (bytes per rank, {option row: bytes held per candidate}): the memory the chosen candidates hold, capped
+    memory: tuple | None = None
 
 
 def solve(problem: Problem, where: str) -> tuple[list[int], float]:
@@ -73,6 +75,10 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
         costs.append(cost)
         for column in sending:  # paid >= x[v, k] for each candidate that sends a Partial gradient
             rows.append((None, [paid, column], [1.0, -1.0]))
+    if problem.memory is not None:
+        cap, held = problem.memory
+        columns = [first[v] + k for v, sizes in held.items() for k in range(len(sizes))]
+        rows.append(("cap", columns, [b for sizes in held.values() for b in sizes]))
     n = len(costs)
     h.addVars(n, np.zeros(n), np.ones(n))
     h.changeColsCost(n, np.arange(n), np.array(costs, dtype=float))
@@ -83,13 +89,14 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
         starts.append(len(indices))
         indices += columns
         values += coefficients
-    lower = np.array([0.0 if r[0] is None else r[0] for r in rows])
-    upper = np.array([highspy.kHighsInf if r[0] is None else r[0] for r in rows])
+    cap = problem.memory[0] if problem.memory is not None else 0.0
+    lower = np.array([0.0 if r[0] in (None, "cap") else r[0] for r in rows])
+    upper = np.array([highspy.kHighsInf if r[0] is None else cap if r[0] == "cap" else r[0] for r in rows])
     h.addRows(len(rows), lower, upper, len(indices), np.array(starts), np.array(indices), np.array(values))
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         raise PolicyError(where, "<constraints>", str(h.getModelStatus()),
-                          "constraints that some plan satisfies (HiGHS found none)")
+                          "constraints (and a memory budget) that some plan satisfies: HiGHS found none")
     x = h.getSolution().col_value
     chosen = []
     for v, opts in enumerate(problem.options):

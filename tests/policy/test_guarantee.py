@@ -3,6 +3,8 @@ PolicyError."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -217,3 +219,16 @@ def test_outputs_are_full_tensors_and_parameters_dtensors():
         out = model(x)
     assert not isinstance(out, DTensor)
     assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_memory_budget_makes_the_search_shard_parameters():
+    """Without constraints the tiny model stays replicated (cheapest), which is an error; a per-rank budget below
+    the replicated parameters + gradients + Adam state makes the search shard them, and the values stay right."""
+    x = torch.randn(2, 4, 8)
+    with simulated_mesh((2,)) as mesh, pytest.raises(PolicyError, match="every op and parameter replicated"):
+        build_plan(Pair(F.relu), mesh, (x,))
+    replicated = 4 * sum(p.numel() * 4 for p in Pair(F.relu).parameters())
+    plan = check_matches_one_device(lambda: Pair(F.relu), (x,), memory_budget=replicated * 3 // 4)
+    held = sum(4 * 4 * math.prod(plan.graph.model.get_parameter(fqn).shape) / (2 if p[0].is_shard() else 1)
+               for fqn, p in plan.params.items())
+    assert held <= replicated * 3 // 4
