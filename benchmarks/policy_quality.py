@@ -48,7 +48,7 @@ CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gemma2": ("Gemma2Config", {"head_dim": 8, "sliding_window": None}),
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "sliding_window": 16}),  # the whole sequence of 16
 }
 
 
