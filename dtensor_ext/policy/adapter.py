@@ -339,6 +339,7 @@ def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callab
 _LOCAL = "local"
 
 
+TIE_S_PER_BYTE = 1e-18
 # parameters, gradients and Adam's two moments: the bytes a rank holds per parameter byte
 STATE_COPIES = 4
 
@@ -386,7 +387,10 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
             if tid in graph.params:
                 places += [Shard(d) for d in range(value.ndim) if value.shape[d] % mesh.size(m) == 0
                            and value.shape[d] >= mesh.size(m)]
-            options.append([((), (p,), (), 0.0) for p in places])
+            nbytes = value.numel() * value.element_size()
+            # ties go to the smaller footprint: a byte held costs far less than any modelled time
+            options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / (mesh.size(m) if p.is_shard() else 1))
+                            for p in places])
         edges, readers = [], {}
         for node in graph.nodes:
             for slot, tid in enumerate(node.operand_ids):
