@@ -3,7 +3,8 @@
 For each model (tiny random weights, fp32) and mesh (1-D of 4, 2x2 named (dp, tp)), one forward + backward of the
 token cross-entropy on simulated ranks, with three plans:
 
-  (a) search   - the mesh only, no constraints: the solver plans everything;
+  (a) search   - the mesh only, no constraints: the solver plans everything (with --search-budget F, under a
+                 per-rank budget of F times the replicated parameters + gradients + Adam state);
   (b) yaml     - the shipped-style YAML (linears column- or row-parallel, never replicated);
   (c) hand     - torchtitan's TP plan with torch's ParallelStyles on 'tp' (Colwise q/k/v/gate/up, Rowwise o/down,
                  lm_head Colwise gathered); on 2x2 each dp rank takes its half of the batch and the gradients are
@@ -47,13 +48,13 @@ CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gemma2": ("Gemma2Config", {"head_dim": 8, "sliding_window": None}),
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "sliding_window": 16}),  # the whole sequence of 16
 }
 
 
 def tiny(name: str):
     class_name, extra = CONFIGS[name]
-    config = getattr(transformers, class_name)(**{**SIZES, **extra})
+    config = getattr(transformers, class_name)(**{**SIZES, **extra}, use_cache=False)
     config._attn_implementation = "sdpa" if name != "gemma2" else "eager"
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).float()
@@ -125,7 +126,7 @@ def _values(t):
     return list((local_tensor_values(t) or {0: t}).values())
 
 
-def measure(name: str, mesh_shape: tuple[int, ...], variant: str) -> dict:
+def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float | None = None) -> dict:
     reference, model = tiny(name), tiny(name)
     ids, labels = batch()
     count = int((labels != -100).sum())
@@ -146,7 +147,10 @@ def measure(name: str, mesh_shape: tuple[int, ...], variant: str) -> dict:
         else:
             derive._FOUND.clear()
             try:
-                plan = build_plan(model, mesh, (ids,), constraints=YAML if variant == "yaml" else None)
+                state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+                cap = int(budget * state) if budget and variant == "search" else None
+                plan = build_plan(model, mesh, (ids,), constraints=YAML if variant == "yaml" else None,
+                                  memory_budget=cap)
             except PolicyError as exc:
                 return {**row, "refused": str(exc)[:200]}
             parallelize(model, mesh, (ids,), plan=plan)
@@ -164,6 +168,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(CONFIGS))
     parser.add_argument("--meshes", nargs="+", default=["4", "2x2"])
     parser.add_argument("--plans", nargs="+", default=["search", "yaml", "hand"])
+    parser.add_argument("--search-budget", type=float, default=None)
     args = parser.parse_args()
     print(f"{'model':8} {'mesh':4} {'plan':6} {'plan s':>7} {'bytes/rank':>10} {'params B':>9} {'saved B':>9} "
           f"{'max err':>8}  collectives")
@@ -171,7 +176,7 @@ def main() -> None:
         for mesh in args.meshes:
             shape = tuple(int(s) for s in mesh.split("x"))
             for variant in args.plans:
-                r = measure(name, shape, variant)
+                r = measure(name, shape, variant, args.search_budget)
                 if "refused" in r:
                     print(f"{name:8} {mesh:4} {variant:6} refused: {r['refused']}", flush=True)
                     continue

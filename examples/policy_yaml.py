@@ -64,8 +64,9 @@ def main() -> None:
         moe = parallelize(moe, mesh, (x,), constraints=MOE_YAML)
         print(f"\n{moe.policy_plan}")
         error = _max_error(moe(x), moe_reference(x))
-    seen = ", ".join(f"{s.signature} in {s.module} saw {s.input_placements}" for s in moe.policy_plan.enforcer.seen)
-    print(f"MoE on 2 simulated ranks: {seen}; max |output - single device| = {error:.2e}")
+    planned = ", ".join(f"{op.node.signature} in {op.node.fqn or '<root>'} takes {op.inputs}"
+                        for op in moe.policy_plan.ops if not all(p.is_replicate() for ins in op.inputs for p in ins))
+    print(f"MoE on 2 simulated ranks: {planned}; max |output - single device| = {error:.2e}")
 
 
 if __name__ == "__main__":

@@ -171,13 +171,15 @@ def build_plan(
     policy: Callable | None = None,
     cfg: object = None,
     cost_model=None,
+    memory_budget: int | None = None,
     warn_unused: bool = False,
 ) -> Plan:
     """Trace ``model(*example_inputs)``, filter DTensor's candidates by YAML constraints (a path, YAML text or
     Constraint objects) or by a ``policy(graph[, cfg])`` generator of OpPlans, and solve the rest exactly.
     Neither constraints nor policy: the search alone plans on the whole mesh. Unused constraints are errors
     unless ``warn_unused``. ``cost_model``: the redistribution cost model (the package's IdealCostModel by
-    default; a CalibratedCostModel from an autotune file)."""
+    default; a CalibratedCostModel from an autotune file). ``memory_budget``: bytes a rank may hold in parameters,
+    their gradients and Adam's two moments (4 copies of its parameter shards)."""
     if constraints is not None and policy is not None:
         raise PolicyError("build_plan", "constraints/policy", "both",
                           "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
@@ -198,7 +200,9 @@ def build_plan(
         requirements, recompute_ids, stage_ids, hooks = _requirements_from_policy(
             graph, mesh, policy, cfg if cfg is not None else PolicyConfig(mesh))
     regions, stages = recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids)
-    ops, params, cost = _derive(graph, mesh, requirements, cost_model or IdealCostModel())
+    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+        raise PolicyError("build_plan", "memory_budget", memory_budget, "a positive number of bytes per rank")
+    ops, params, cost = _derive(graph, mesh, requirements, cost_model or IdealCostModel(), memory_budget)
     if all(_replicated(p) for p in params.values()) and all(
             _replicated(p) for op in ops for p in (*op.inputs, *op.outputs)):
         raise PolicyError("build_plan", "<plan>", "every op and parameter replicated",
@@ -335,7 +339,13 @@ def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callab
 _LOCAL = "local"
 
 
-def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model):
+TIE_S_PER_BYTE = 1e-18
+# parameters, gradients and Adam's two moments: the bytes a rank holds per parameter byte
+STATE_COPIES = 4
+
+
+def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model,
+            memory_budget: int | None = None):
     """Per mesh dim: candidates, constraints, one exact solve; then the per-op placements over all dims."""
     cache = CandidateCache(mesh)
     model = cost_model.bind(tuple(mesh.shape))
@@ -377,10 +387,14 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
             if tid in graph.params:
                 places += [Shard(d) for d in range(value.ndim) if value.shape[d] % mesh.size(m) == 0
                            and value.shape[d] >= mesh.size(m)]
-            options.append([((), (p,), (), 0.0) for p in places])
-        edges = []
+            nbytes = value.numel() * value.element_size()
+            # ties go to the smaller footprint: a byte held costs far less than any modelled time
+            options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / (mesh.size(m) if p.is_shard() else 1))
+                            for p in places])
+        edges, readers = [], {}
         for node in graph.nodes:
             for slot, tid in enumerate(node.operand_ids):
+                readers.setdefault(tid, []).append((node.index, slot))
                 u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
                 price = _pricer(graph.tensors[tid], model, m, mesh.size(m))
                 if slot == 0 and is_inplace(node):
@@ -393,7 +407,23 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                 u, o = producers[tid]
                 edges.append((u, o, sink, 0, _pricer(graph.tensors[tid], model, m, mesh.size(m))))
         names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
-        picks, cost = solve(Problem(options, edges, names), f"mesh dim {m}")
+        reductions = [(_reduction_s(graph.tensors[tid], model, m), found) for tid, found in readers.items()
+                      if graph.tensors[tid].is_floating_point()]
+        budget = None
+        if memory_budget is not None:  # this dim's choice, with the earlier dims' shards and the later ones whole
+            held = {}
+            for tid in sources:
+                if tid in graph.params:
+                    value = graph.tensors[tid]
+                    earlier = params[graph.params[tid]]
+                    divisor = 1
+                    for d, p in enumerate(earlier):
+                        divisor *= mesh.size(d) if p.is_shard() else 1
+                    whole = STATE_COPIES * value.numel() * value.element_size() / divisor
+                    held[source_rows[tid]] = [whole / (mesh.size(m) if o[1][0].is_shard() else 1)
+                                              for o in options[source_rows[tid]]]
+            budget = (memory_budget, held)
+        picks, cost = solve(Problem(options, edges, names, reductions, budget), f"mesh dim {m}")
         total += cost
         for node in graph.nodes:
             c = options[node.index][picks[node.index]]
@@ -452,12 +482,17 @@ def _pricer(value: torch.Tensor, model, mesh_dim: int, ranks: int):
 
     def price(p, q, g) -> float | None:
         forward = move(p, q)
-        if forward is None or g is None or not value.is_floating_point():
-            return forward
+        if forward is None or g is None or g.is_partial() or not value.is_floating_point():
+            return forward  # a Partial gradient is reduced once for all readers (see _reduction_s)
         back = move(g, Replicate() if p.is_partial() else p)
         return None if back is None else forward + back
 
     return price
+
+
+def _reduction_s(value: torch.Tensor, model, mesh_dim: int) -> float:
+    """Reducing the summed Partial gradients of a value: priced as an all-reduce of the whole value."""
+    return model.collective_time("all_reduce", (mesh_dim,), value.numel() * value.element_size())
 
 
 def _unmoved(price):
@@ -497,6 +532,7 @@ def parallelize(
     policy: Callable | None = None,
     cfg: object = None,
     cost_model=None,
+    memory_budget: int | None = None,
     warn_unused: bool = False,
     plan: Plan | None = None,
 ) -> torch.nn.Module:
@@ -507,7 +543,7 @@ def parallelize(
 
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
-                          cost_model=cost_model, warn_unused=warn_unused)
+                          cost_model=cost_model, memory_budget=memory_budget, warn_unused=warn_unused)
     PlanExecutor(plan).install(model)
     for fqn, pre, post in plan.hooks:
         module = model.get_submodule(fqn)

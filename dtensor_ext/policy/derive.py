@@ -12,7 +12,9 @@ Results are cached by the op and its input shapes and arguments, so repeated lay
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +143,7 @@ def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_op
     operands = operand_tensors(node)
     options = [_placements(t, size, k in param_operands) for k, t in enumerate(operands)]
     candidates, tried = [], {}
-    with outside_simulated_ranks(), outside_dispatch_modes(), fake_tensor_mode() as fake:
+    with outside_simulated_ranks(), outside_dispatch_modes(), _quiet_fake_kernels(), fake_tensor_mode() as fake:
         fakes = [fake.from_tensor(t) for t in operands]
         flops, nbytes = _work(node, operands, fakes)
         for combo in _combinations(options):
@@ -151,6 +153,18 @@ def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_op
             else:
                 tried[combo] = found
     return NodeOptions(candidates, flops, nbytes, tried)
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels():
+    """Fake tensors log every kernel that refuses to run; here a refusal only means "not a candidate"."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _work(node: OpNode, operands, fakes) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,11 @@ class Problem:
     options: list[list[tuple]]
     edges: list[tuple]
     names: list[str]
+    # (cost, [(op, operand slot), ...]): paid once when any of these ops' chosen candidates sends a Partial
+    # gradient back through that slot (autograd sums the partial gradients first, DTensor then reduces once)
+    reductions: list[tuple] = field(default_factory=list)
+    # (bytes per rank, {option row: bytes held per candidate}): the memory the chosen candidates hold, capped
+    memory: tuple | None = None
 
 
 def _quiet_highs(highspy):
@@ -78,6 +83,19 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
         for qg, columns in ins.items():
             ys = [block[p, qg] for p in outs if (p, qg) in block]
             rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
+    for cost, readers in problem.reductions:
+        sending = [first[v] + k for v, slot in readers for k, o in enumerate(problem.options[v])
+                   if o[2][slot] is not None and o[2][slot].is_partial()]
+        if not sending:
+            continue
+        paid = len(costs)
+        costs.append(cost)
+        for column in sending:  # paid >= x[v, k] for each candidate that sends a Partial gradient
+            rows.append((None, [paid, column], [1.0, -1.0]))
+    if problem.memory is not None:
+        cap, held = problem.memory
+        columns = [first[v] + k for v, sizes in held.items() for k in range(len(sizes))]
+        rows.append(("cap", columns, [b for sizes in held.values() for b in sizes]))
     n = len(costs)
     h.addVars(n, np.zeros(n), np.ones(n))
     h.changeColsCost(n, np.arange(n), np.array(costs, dtype=float))
@@ -88,12 +106,14 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
         starts.append(len(indices))
         indices += columns
         values += coefficients
-    rhs = np.array([r[0] for r in rows])
-    h.addRows(len(rows), rhs, rhs, len(indices), np.array(starts), np.array(indices), np.array(values))
+    cap = problem.memory[0] if problem.memory is not None else 0.0
+    lower = np.array([0.0 if r[0] in (None, "cap") else r[0] for r in rows])
+    upper = np.array([highspy.kHighsInf if r[0] is None else cap if r[0] == "cap" else r[0] for r in rows])
+    h.addRows(len(rows), lower, upper, len(indices), np.array(starts), np.array(indices), np.array(values))
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         raise PolicyError(where, "<constraints>", str(h.getModelStatus()),
-                          "constraints that some plan satisfies (HiGHS found none)")
+                          "constraints (and a memory budget) that some plan satisfies: HiGHS found none")
     x = h.getSolution().col_value
     chosen = []
     for v, opts in enumerate(problem.options):

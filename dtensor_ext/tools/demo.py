@@ -2,8 +2,8 @@
 against the same model on one device, with the package and with torch alone.
 
 The model is `dtensor_ext.models.TinyLlama` (MoE feed-forwards unless `--dense`), parallelized by
-`dtensor_ext.policy.parallelize` from `policies/llama_tp_sp.yaml` (tensor + sequence parallel on the tp mesh dim)
-plus `MoETensorParallel` for the experts; the batch is sharded on dp and gradients are averaged over dp in one
+`dtensor_ext.policy.parallelize` from `policies/llama_tp_sp.yaml` on the tp mesh dim (the plan is searched by the
+policy adapter within the policy's constraints, experts included); the batch is sharded on dp and gradients are averaged over dp in one
 bucketed all-reduce, as DDP does. Torch alone runs the same job with torchtitan's hand-written plan
 (`torchtitan_plan`) and the package uninstalled. Collectives are counted by `comm_stats` (bytes the busiest rank
 receives) and by torch's CommDebugMode from what ran. On simulated ranks (default) every rank lives in this
@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_ext
 from dtensor_ext._compat import LocalTensor, enabled_local_tensor_mode, funcol, local_tensor_values
-from dtensor_ext.models import LlamaConfig, TinyLlama, moe_tensor_parallel_plan, torchtitan_plan
+from dtensor_ext.models import LlamaConfig, TinyLlama, torchtitan_plan
 from dtensor_ext.redistribute import engine
 from dtensor_ext.testing.mesh import simulated_mesh
 from dtensor_ext.tools.arguments import int_list, output_file, positive_int
@@ -131,17 +131,15 @@ def _parallelize(model: TinyLlama, mesh, tokens: torch.Tensor, with_package: boo
     if with_package:
         from dtensor_ext.policy import parallelize
 
-        parallelize(model, mesh, (tokens,), constraints=model.config.policy_file)
+        # on tp: each dp rank feeds its own tokens; the policy places every parameter, experts included
+        parallelize(model, tp_mesh, (tokens,), constraints=model.config.policy_file)
         styles = {fqn: "(" + ", ".join(map(str, placements)) + ")"  # the solved placement of each sharded parameter
                   for fqn, placements in model.policy_plan.params.items()
                   if not all(isinstance(p, Replicate) for p in placements)}
-        experts = moe_tensor_parallel_plan(model)
-        parallelize_module(model, tp_mesh, experts)
     else:
-        plan, experts = torchtitan_plan(model.config), {}
+        plan = torchtitan_plan(model.config)
         styles = {fqn: type(style).__name__ for fqn, style in plan.items()}
         parallelize_module(model, tp_mesh, plan)
-    styles.update({fqn: type(style).__name__ for fqn, style in experts.items()})
     return _fold_layers(styles)
 
 
@@ -333,8 +331,7 @@ def format_report(r: DemoReport) -> str:
         f"{'(dp, tp)' if len(r.mesh_shape) == 2 else '(tp)'} mesh of {ranks} vs one device, {who} ({r.seconds:.1f} s)",
     ]
     if with_package and pkg.plan:
-        experts = " (+ MoETensorParallel for the experts)" if cfg.n_experts else ""
-        lines.append(f"  plan from the YAML policy {_policy_name(cfg)}{experts}:")
+        lines.append(f"  plan from the YAML policy {_policy_name(cfg)} (sharded parameters, as solved):")
         lines += [f"    {line}" for line in pkg.plan]
     if pkg.steps:
         lines.append(

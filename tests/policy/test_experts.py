@@ -28,5 +28,5 @@ def test_grouped_gemm_expert_split_without_a_proven_candidate_is_refused():
     assert message.startswith("policy OpPlan #0 for %92 torch._grouped_mm in model.layers.0.mlp.experts "
                               "[torch.nn.functional.grouped_mm(input.to(weight.dtype), weight, offs=offs)]: field "
                               "'partition' got ['1,0']; expected a partition DTensor runs without communicating on "
-                              "mesh dim ep; input 1 sharded on dim 0: RuntimeError: Expected inputs of BF16 type")
+                              "mesh dim ep; input 1 sharded on dim 0: ")
     assert message.endswith("Operand shards DTensor allows: none (only replicated)")

@@ -3,6 +3,8 @@ PolicyError."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -70,8 +72,8 @@ def check_matches_one_device(factory, inputs, mesh_shape=(2,), mesh_dim_names=No
 def test_free_op_between_column_and_row_parallel_linears(mid):
     plan = check_matches_one_device(lambda: Pair(MIDS[mid]), (torch.randn(2, 4, 8),), constraints=TP_LINEARS)
     assert not plan.deviations
-    sharded = [p for p in plan.params.values() if p != (torch.distributed.tensor.Replicate(),)]
-    assert len(sharded) >= 2  # both linears run partitioned, as the constraint demands
+    linears = [op for op in plan.ops if op.node.signature == "torch.nn.functional.linear"]
+    assert all(op.inputs[1][0].is_shard() for op in linears)  # both run partitioned, as the constraint demands
 
 
 @pytest.mark.parametrize(("op", "entry"), [("silu", ("torch.nn.functional.silu", "0,0")),
@@ -123,8 +125,11 @@ class HeadNormAttention(nn.Module):
 
 
 def test_gemma_one_plus_w_norm_gradients():
-    plan = check_matches_one_device(HeadNormAttention, (torch.randn(2, 4, 8),), constraints=TP_LINEARS)
-    assert plan.params["q.weight"] == (Shard(0),)
+    heads = '- name: torch.rsqrt\n  allowed_partition_dims: ["0,2"]\n  replica_allowed: false\n'
+    plan = check_matches_one_device(HeadNormAttention, (torch.randn(2, 4, 8),), constraints=TP_LINEARS + heads)
+    # the (1 + w) norm runs on the head-sharded activations: w's gradient is summed over the ranks' heads
+    rsqrt = next(op for op in plan.ops if op.node.signature == "torch.rsqrt")
+    assert rsqrt.inputs[0] == (Shard(2),)
 
 
 class FusedQKV(nn.Module):
@@ -217,3 +222,16 @@ def test_outputs_are_full_tensors_and_parameters_dtensors():
         out = model(x)
     assert not isinstance(out, DTensor)
     assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_memory_budget_makes_the_search_shard_parameters():
+    """Without constraints the tiny model stays replicated (cheapest), which is an error; a per-rank budget below
+    the replicated parameters + gradients + Adam state makes the search shard them, and the values stay right."""
+    x = torch.randn(2, 4, 8)
+    with simulated_mesh((2,)) as mesh, pytest.raises(PolicyError, match="every op and parameter replicated"):
+        build_plan(Pair(F.relu), mesh, (x,))
+    replicated = 4 * sum(p.numel() * 4 for p in Pair(F.relu).parameters())
+    plan = check_matches_one_device(lambda: Pair(F.relu), (x,), memory_budget=replicated * 3 // 4)
+    held = sum(4 * 4 * math.prod(plan.graph.model.get_parameter(fqn).shape) / (2 if p[0].is_shard() else 1)
+               for fqn, p in plan.params.items())
+    assert held <= replicated * 3 // 4

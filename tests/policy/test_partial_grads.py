@@ -39,9 +39,18 @@ def _norm():
     return norm
 
 
-@pytest.mark.parametrize("inner", [_norm, Scale])
+# the op applying the parameter runs on the head-sharded activations (dim 2 of (batch, seq, heads, 2))
+ON_HEADS = {
+    "norm": "- name: torch.nn.functional.rms_norm\n  parent_module: RMSNorm\n",
+    "scale": "- name: torch.Tensor.mul\n  parent_module: Scale\n",
+}
+
+
+@pytest.mark.parametrize("inner", ["norm", "scale"])
 def test_parameters_on_head_sharded_activations_get_full_gradients(inner):
-    plan = check_matches_one_device(lambda: PerHead(inner()), (torch.randn(4, 5, 8),), constraints=TP_LINEARS)
+    yaml = TP_LINEARS + ON_HEADS[inner] + '  allowed_partition_dims: ["0,2"]\n  replica_allowed: false\n'
+    factory = _norm if inner == "norm" else Scale
+    plan = check_matches_one_device(lambda: PerHead(factory()), (torch.randn(4, 5, 8),), constraints=yaml)
     # the case of the old silent error: the parameter meets activations sharded by the column-parallel proj
     reader = next(op for op in plan.ops if op.node.fqn == "inner")
     assert any(p.is_shard() for placements in reader.inputs for p in placements)

