@@ -1,7 +1,7 @@
 """Tensor + sequence parallelism for a small Llama-style model from a 6-line YAML, on a simulated 4-rank mesh.
 
 Runs in seconds on CPU, from any directory: ``python examples/policy_yaml.py``. It prints the plan the adapter derived
-(torchtitan's Llama-3 TP+SP plan), then checks the sharded forward and gradients against the unsharded model, and
+(DTensor's propagation for the candidates, an exact solve within the YAML's constraints), then checks the sharded forward and gradients against the unsharded model, and
 shows a run-time op constraint (``torch.sum`` inside ``MoE`` must run expert-sharded).
 """
 
@@ -17,11 +17,12 @@ from dtensor_ext.testing.mesh import local_values
 
 TP_SP_YAML = """\
 - name: torch.nn.functional.embedding
-  allowed_partition_dims: ["1,0"]          # vocab-sharded embedding -> RowwiseParallel
+  allowed_partition_dims: ["1,0"]          # vocab-sharded embedding
 - name: torch.nn.functional.rms_norm
-  allowed_partition_dims: ["0,1"]          # sequence dim -> SequenceParallel
+  allowed_partition_dims: ["0,1"]          # sequence dim, where the solver finds it pays
 - name: torch.nn.functional.linear
-  allowed_partition_dims: ["1,0", "1,1"]   # ColwiseParallel or RowwiseParallel, paired Megatron-style
+  allowed_partition_dims: ["1,0", "1,1"]   # weight split on output (column) or input (row) features
+  replica_allowed: false                   # every linear partitioned: the solver picks which way, and the rest
 """
 
 MOE_YAML = """\
