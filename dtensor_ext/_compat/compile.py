@@ -86,11 +86,21 @@ def override_meta_kernel(op: torch._ops.OpOverload, make_kernel: Callable[[Calla
         op._dispatch_cache.clear()
     current = _META_OVERRIDES[op]
     current[0] = make_kernel(meta_table[op])
+    _forget_cached_metas()
 
     def undo() -> None:
         current[0] = None
+        _forget_cached_metas()
 
     return undo
+
+
+def _forget_cached_metas() -> None:
+    """Fake tensors cache each op's output metadata by its inputs' metadata: a result the other kernel gave would
+    otherwise outlive a swap (torch alone would then 'run' what its own kernel refuses)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.cache_clear()
 
 
 def aot_eager_with_joint_pass(joint_pass: Callable[[torch.fx.Graph], None]) -> Callable:
