@@ -38,7 +38,7 @@ from dtensor_ext._compat.propagation import (  # noqa: F401
     output_meta_computer, output_tensor_meta, placement_transition_cost, PreparedSingleDimStrategy, propagate_cold,
     propagator, rank_in_mesh, redistribute_costs, register_op_strategy, register_scalar_adjuster, can_adjust_scalars, SCALAR_ADJUSTERS, TorchLacks,
     VARIANT_DERIVATION, OPTIONAL_TENSOR_LISTS, expands_optional_tensor_lists, takes_optional_tensor_list,
-    register_single_dim, register_view_strategy, registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration,
+    register_single_dim, register_view_strategy, registered_strategy, REPLICATE_ROW_ALLOWED, RULES_KEEP_EMPTY_SHARDS, restore_registration,
     schema_info, set_min_cost_selector, set_output_meta_computer, set_single_dim_expansion, single_dim_even_only,
     single_dim_expansion, single_dim_func, single_dim_info_allowing_uneven, snapshot_registration,
     squeeze_dims_variants, torch_strategy_kind, wrap_single_dim_func,
