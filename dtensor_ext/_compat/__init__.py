@@ -32,16 +32,17 @@ from dtensor_ext._compat.testing import (  # noqa: F401
     set_rank_results_combiner,
 )
 from dtensor_ext._compat.propagation import (  # noqa: F401
-    auto_register_variants, can_derive_variants, clear_sharding_caches, compare_operator, DIRECT_STRATEGY_KINDS,
-    dtensor_collective_costs, expand_sharding, full_mesh_strategy_filter, full_single_dim_expansion,
-    greedy_redistribution_planned, known_equal, named_variants, local_shapes, min_cost_selector, op_strategy_func, op_strategy_rows,
-    output_meta_computer, output_tensor_meta, placement_transition_cost, PreparedSingleDimStrategy, propagate_cold,
-    propagator, rank_in_mesh, redistribute_costs, register_op_strategy, register_scalar_adjuster, can_adjust_scalars, SCALAR_ADJUSTERS, TorchLacks,
-    VARIANT_DERIVATION, OPTIONAL_TENSOR_LISTS, expands_optional_tensor_lists, takes_optional_tensor_list,
-    register_single_dim, register_view_strategy, registered_strategy, REPLICATE_ROW_ALLOWED, RULES_KEEP_EMPTY_SHARDS, restore_registration,
+    auto_register_variants, can_adjust_scalars, can_derive_variants, clear_sharding_caches, compare_operator,
+    DIRECT_STRATEGY_KINDS, dtensor_collective_costs, expand_sharding, expands_optional_tensor_lists,
+    full_mesh_strategy_filter, full_single_dim_expansion, greedy_redistribution_planned, known_equal, local_shapes,
+    min_cost_selector, named_variants, op_strategy_func, op_strategy_rows, OPTIONAL_TENSOR_LISTS, output_meta_computer,
+    output_tensor_meta, placement_transition_cost, PreparedSingleDimStrategy, propagate_cold, propagator, rank_in_mesh,
+    redistribute_costs, register_op_strategy, register_scalar_adjuster, register_single_dim, register_view_strategy,
+    registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration, RULES_KEEP_EMPTY_SHARDS, SCALAR_ADJUSTERS,
     schema_info, set_min_cost_selector, set_output_meta_computer, set_single_dim_expansion, single_dim_even_only,
     single_dim_expansion, single_dim_func, single_dim_info_allowing_uneven, snapshot_registration,
-    squeeze_dims_variants, torch_strategy_kind, wrap_single_dim_func,
+    squeeze_dims_variants, takes_optional_tensor_list, torch_strategy_kind, TorchLacks, VARIANT_DERIVATION,
+    wrap_single_dim_func,
 )
 from dtensor_ext._compat.probes import (  # noqa: F401
     conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_dtensor, probe_mesh,

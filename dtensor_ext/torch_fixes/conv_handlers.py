@@ -32,7 +32,13 @@ def _dim_map(spec) -> list[int]:
 def _convolution(op_call, args, kwargs):
     tp_convolution, _ = _compat.tp_convolution_kernels()
     op_info, sharding, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
-    local = tp_convolution(op_call, tuple(op_info.local_args), op_info.local_kwargs, _dim_map(sharding.output_spec))
+    dims, padding = _dim_map(sharding.output_spec), op_info.local_args[4]
+    # nothing but the batch sharded, or no padding: no halo to exchange, the plain kernel (torch's runner does the
+    # same, but 2.11's first refuses shapes its halo exchange could not handle, even where it needs none)
+    if all(d == -1 for d in dims[1:]) or not padding[-1]:
+        local = op_call(*op_info.local_args, **op_info.local_kwargs)
+    else:
+        local = tp_convolution(op_call, tuple(op_info.local_args), op_info.local_kwargs, dims)
     return _compat.wrap_local_results(local, sharding.output_spec)
 
 
