@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import Replicate
+from dtensor_ext._compat import Replicate, Shard
 from dtensor_ext.torch_fixes import applied_to, swap_handlers, torch_fix
 
 aten = torch.ops.aten
@@ -70,4 +70,17 @@ def fix_convolution_handlers():
     ]
     if not faulty:
         return None
+    if _propagation_shards_contracted_channels():
+        raise _compat.TorchLacks("running the redistribution convolution's propagation chose",
+                                 "torch >= 2.12 (a convolution strategy that reduces contracted input channels)")
     return applied_to(faulty, swap_handlers({op: ours[op] for op in faulty}))
+
+
+def _propagation_shards_contracted_channels() -> bool:
+    """Feature check: torch's propagation of a conv1d whose input [2, 4, 8] and weight [6, 4, 3] are both sharded
+    on the input channels it sums over (2-rank probe mesh) calls the output sharded on its channels, with the inputs
+    left as they are (2.11's rule): carrying out that choice gives partial sums, so the fix cannot help there."""
+    x = _compat.probe_spec(torch.zeros(2, 4, 8), (Shard(1),))
+    w = _compat.probe_spec(torch.zeros(6, 4, 3), (Shard(1),))
+    args = (x, w, None, [1], [0], [1], False, [0], 1)
+    return _compat.output_placements(aten.convolution.default, args) == (Shard(1),)
