@@ -29,9 +29,25 @@ def _dim_map(spec) -> list[int]:
     return dims
 
 
+def _refuse_unreduced_channel_sums(schema, output_spec, *, transposed: bool) -> None:
+    """Refuse a choice that leaves input and weight sharded on the input channels the conv sums over while the
+    output is not Partial there (2.11's conv rule calls such an output Shard(1)): each rank would hold a partial
+    channel sum labelled as a full result."""
+    weight_in_dim = 0 if transposed else 1
+    for mesh_dim, (x, w, out) in enumerate(zip(schema.args_schema[0].placements, schema.args_schema[1].placements,
+                                               output_spec.placements)):
+        if x == Shard(1) and w == Shard(weight_in_dim) and not out.is_partial():
+            raise RuntimeError(
+                f"convolution: input and weight are both sharded on the input channels on mesh dim {mesh_dim} and "
+                f"this torch's propagation gives the output {out} there, not a Partial sum; redistribute the input "
+                "or the weight first"
+            )
+
+
 def _convolution(op_call, args, kwargs):
     tp_convolution, _ = _compat.tp_convolution_kernels()
-    op_info, sharding, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    _refuse_unreduced_channel_sums(schema, sharding.output_spec, transposed=op_info.local_args[6])
     dims, padding = _dim_map(sharding.output_spec), op_info.local_args[4]
     # nothing but the batch sharded, or no padding: no halo to exchange, the plain kernel (torch's runner does the
     # same, but 2.11's first refuses shapes its halo exchange could not handle, even where it needs none)
@@ -70,17 +86,5 @@ def fix_convolution_handlers():
     ]
     if not faulty:
         return None
-    if _propagation_shards_contracted_channels():
-        raise _compat.TorchLacks("running the redistribution convolution's propagation chose",
-                                 "torch >= 2.12 (a convolution strategy that reduces contracted input channels)")
     return applied_to(faulty, swap_handlers({op: ours[op] for op in faulty}))
 
-
-def _propagation_shards_contracted_channels() -> bool:
-    """Feature check: torch's propagation of a conv1d whose input [2, 4, 8] and weight [6, 4, 3] are both sharded
-    on the input channels it sums over (2-rank probe mesh) calls the output sharded on its channels, with the inputs
-    left as they are (2.11's rule): carrying out that choice gives partial sums, so the fix cannot help there."""
-    x = _compat.probe_spec(torch.zeros(2, 4, 8), (Shard(1),))
-    w = _compat.probe_spec(torch.zeros(6, 4, 3), (Shard(1),))
-    args = (x, w, None, [1], [0], [1], False, [0], 1)
-    return _compat.output_placements(aten.convolution.default, args) == (Shard(1),)

@@ -9,7 +9,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
-from dtensor_ext.torch_fixes import conv_handlers
 from dtensor_ext._compat import custom_op_handler, DIRECT_STRATEGY_KINDS, torch_strategy_kind
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 
@@ -47,10 +46,11 @@ def test_channel_sharded_conv_is_wrong_in_torch_and_right_when_fixed(fixed_ops, 
             with CommDebugMode() as comms:
                 out = conv(x_d, w_d)
         except RuntimeError as refusal:
-            # 2.11's handler refuses the layout; its rule would call the partial sums Shard(1), so the fix, which
-            # carries out what propagation chose, is left out there and says what it needs
-            assert not fixed and "for tensor parallel convolution" in str(refusal)
-            assert conv_handlers._propagation_shards_contracted_channels()  # why the fix is left out
+            # 2.11's rule calls the partial channel sums Shard(1) without moving the inputs: torch's handler refuses
+            # the shapes, the fix refuses the choice by name (carrying it out would label partial sums whole)
+            expected_refusal = ("both sharded on the input channels on mesh dim 0 and this torch's propagation gives"
+                                if fix_state == "fixed" else "for tensor parallel convolution")
+            assert expected_refusal in str(refusal)
             return
         per_rank = local_values(out.full_tensor())
     assert out.placements == (Replicate(),)
@@ -130,14 +130,3 @@ def test_cases_torch_got_right_keep_their_placements_and_collectives():
     dtensor_ext.install()
     assert compared >= 2  # (S(0), R, R) and (R, R, R) at least
 
-
-def test_left_out_with_what_it_needs_where_propagation_calls_partial_channel_sums_sharded():
-    """2.11's conv rule calls a conv over sharded input channels Shard(1) without moving the inputs: carrying that
-    out would give partial sums, so the fix is left out there (torch alone refuses the layout) and says why."""
-    dtensor_ext.install()
-    entries = [e for e in dtensor_ext.registry() if e.where.startswith("dtensor_ext.torch_fixes.conv_handlers")]
-    assert {e.op for e in entries} == {"aten::convolution.default", "aten::convolution_backward.default"}
-    left_out = conv_handlers._propagation_shards_contracted_channels()
-    for entry in entries:
-        assert (entry.status == "needs newer torch") == left_out, entry
-        assert (entry.needs is not None and "reduces contracted input channels" in entry.needs) == left_out, entry
