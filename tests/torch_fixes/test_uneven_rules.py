@@ -95,6 +95,10 @@ def test_uneven_batch_stays_sharded_without_collectives(fix_state, fixed_ops, me
     expected = CALLS[name](x, grid)
     with simulated_mesh(mesh_shape) as mesh:
         x_d, grid_d = place_dtensor(x, mesh, placements), place_dtensor(grid, mesh, placements)
+        if name == "grid_sample" and _compat.torch_strategy_kind(torch.ops.aten.grid_sampler_2d.default) is None:
+            with pytest.raises(NotImplementedError, match="does not have a sharding strategy"):  # 2.11: none
+                CALLS[name](x_d, grid_d)
+            return
         with CommDebugMode() as comms:
             out = CALLS[name](x_d, grid_d)
         got = local_values(out.full_tensor())
