@@ -31,6 +31,9 @@ _REGISTER_PARAMS = frozenset(inspect.signature(_sds.register_single_dim_strategy
 
 # 2.11 asserts that a rule never lists the all-Replicate row and never uses None; 2.12+ accept both.
 REPLICATE_ROW_ALLOWED = "allow_uneven_sharding" in _REGISTER_PARAMS
+# 2.12+: a single-dim rule may keep a layout with an empty shard (a dim smaller than its number of shards); 2.11's
+# expansion drops such layouts, so a rule's op on them gathers that mesh dim first
+RULES_KEEP_EMPTY_SHARDS = "allow_uneven_sharding" in _REGISTER_PARAMS
 
 
 def propagator():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import Replicate
+from dtensor_ext._compat import Replicate, Shard
 from dtensor_ext.torch_fixes import applied_to, swap_handlers, torch_fix
 
 aten = torch.ops.aten
@@ -29,10 +29,32 @@ def _dim_map(spec) -> list[int]:
     return dims
 
 
+def _refuse_unreduced_channel_sums(schema, output_spec, *, transposed: bool) -> None:
+    """Refuse a choice that leaves input and weight sharded on the input channels the conv sums over while the
+    output is not Partial there (2.11's conv rule calls such an output Shard(1)): each rank would hold a partial
+    channel sum labelled as a full result."""
+    weight_in_dim = 0 if transposed else 1
+    for mesh_dim, (x, w, out) in enumerate(zip(schema.args_schema[0].placements, schema.args_schema[1].placements,
+                                               output_spec.placements)):
+        if x == Shard(1) and w == Shard(weight_in_dim) and not out.is_partial():
+            raise RuntimeError(
+                f"convolution: input and weight are both sharded on the input channels on mesh dim {mesh_dim} and "
+                f"this torch's propagation gives the output {out} there, not a Partial sum; redistribute the input "
+                "or the weight first"
+            )
+
+
 def _convolution(op_call, args, kwargs):
     tp_convolution, _ = _compat.tp_convolution_kernels()
-    op_info, sharding, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
-    local = tp_convolution(op_call, tuple(op_info.local_args), op_info.local_kwargs, _dim_map(sharding.output_spec))
+    op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    _refuse_unreduced_channel_sums(schema, sharding.output_spec, transposed=op_info.local_args[6])
+    dims, padding = _dim_map(sharding.output_spec), op_info.local_args[4]
+    # nothing but the batch sharded, or no padding: no halo to exchange, the plain kernel (torch's runner does the
+    # same, but 2.11's first refuses shapes its halo exchange could not handle, even where it needs none)
+    if all(d == -1 for d in dims[1:]) or not padding[-1]:
+        local = op_call(*op_info.local_args, **op_info.local_kwargs)
+    else:
+        local = tp_convolution(op_call, tuple(op_info.local_args), op_info.local_kwargs, dims)
     return _compat.wrap_local_results(local, sharding.output_spec)
 
 
@@ -65,3 +87,4 @@ def fix_convolution_handlers():
     if not faulty:
         return None
     return applied_to(faulty, swap_handlers({op: ours[op] for op in faulty}))
+

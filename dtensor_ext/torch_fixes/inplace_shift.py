@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import Partial, Replicate
-from dtensor_ext.torch_fixes import torch_fix
-from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Partial, Replicate
+from dtensor_ext.torch_fixes import applied_to, torch_fix
+from dtensor_ext.torch_fixes.strategy_swap import wrap_single_dim_rules, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -41,6 +41,42 @@ def _lacks_shift_safe_partials(op) -> bool:
     return any([Partial(r), Partial(r)] not in rows for r in SHIFT_SAFE_REDUCTIONS)
 
 
+def _strategy_refuses_shift_safe_partials(op) -> bool:
+    """Feature check for a torch sharding `op` with an op_strategy (2.11's pointwise strategies): its propagation of
+    a Partial(avg/max/min) [2] tensor shifted by 1 (a scalar, or a replicated tensor) on a 2-rank probe mesh does not
+    keep the Partial."""
+    if _compat.op_strategy_func(op) is None:
+        return False
+    shift = 1.0 if op._overloadname == "Scalar" else _compat.probe_spec(torch.ones(2), (Replicate(),))
+    return any(
+        _compat.output_placements(op, (_compat.probe_spec(torch.zeros(2), (Partial(r),)), shift)) != (Partial(r),)
+        for r in SHIFT_SAFE_REDUCTIONS
+    )
+
+
+def _keeping_shift_safe_partials(torch_strategy):
+    """torch's op_strategy, plus keeping the layout of a tensor that is replicated or Partial(avg/max/min) on every
+    mesh dim (a tensor shift moved to Replicate) where torch offers no such layout."""
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        offered = torch_strategy(op_schema)
+        target = op_schema.args_schema[0].strategies[0].output_spec
+        safe = all(isinstance(p, Replicate) or (isinstance(p, Partial) and p.reduce_op in SHIFT_SAFE_REDUCTIONS)
+                   for p in target.placements)
+        if not safe or any(s.output_spec.placements == target.placements for s in offered.strategies):
+            return offered
+        input_specs, costs = [target], [[0.0] * len(op_schema.args_schema[0].strategies)]
+        shift = op_schema.args_schema[1]
+        if isinstance(shift, OpStrategy):
+            replicated = DTensorSpec(target.mesh, (Replicate(),) * target.mesh.ndim, tensor_meta=shift.tensor_meta)
+            input_specs.append(replicated)
+            costs.append(_compat.redistribute_costs(shift, replicated))
+        kept = OpSpec(DTensorSpec(target.mesh, target.placements, tensor_meta=target.tensor_meta), input_specs, costs)
+        return OpStrategy([kept, *offered.strategies])
+
+    return strategy
+
+
 @torch_fix(
     "in-place scalar shift refuses Partial(avg/max/min)",
     ops=("aten::add_.Scalar", "aten::sub_.Scalar", "aten::add_.Tensor", "aten::sub_.Tensor"),
@@ -49,6 +85,9 @@ def _lacks_shift_safe_partials(op) -> bool:
 def fix_inplace_shift():
     shifts = (aten.add_.Scalar, aten.sub_.Scalar, aten.add_.Tensor, aten.sub_.Tensor)
     faulty = [op for op in shifts if _lacks_shift_safe_partials(op)]
+    if faulty:
+        return wrap_single_dim_rules(faulty, _with_shift_safe_partials)
+    faulty = [op for op in shifts if _strategy_refuses_shift_safe_partials(op)]  # 2.11: pointwise op_strategies
     if not faulty:
         return None
-    return wrap_single_dim_rules(faulty, _with_shift_safe_partials)
+    return applied_to(faulty, wrap_strategies(faulty, _keeping_shift_safe_partials))

@@ -2,17 +2,31 @@
 
 import itertools
 
+import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
+from dtensor_ext import _compat
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 
 
 def agrees(t, expected, atol: float = 1e-5) -> bool:
     """Every rank's copy of the gathered DTensor `t` equals the single-device `expected`."""
     return all(torch.allclose(v, expected, atol=atol) for v in local_values(t.full_tensor()).values())
+
+
+def torch_shards(op) -> bool:
+    """Whether the running torch (with the package) has any strategy for `op`; 2.11 has none for the linalg solves
+    or pinv's tensor tolerances, so there is nothing for a fix to correct."""
+    return _compat.torch_strategy_kind(op) is not None
+
+
+def refused_without_a_strategy(op, call) -> None:
+    """`call()` on DTensors fails for want of a strategy for `op`."""
+    with pytest.raises(NotImplementedError, match=f"{op._schema.name.partition('::')[2]}.* does not have a sharding"):
+        call()
 
 
 def layouts(t: torch.Tensor, mesh_ndim: int) -> list[tuple]:

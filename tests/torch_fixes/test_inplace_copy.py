@@ -33,7 +33,8 @@ def copy_runs(shape, mesh_shape):
             try:
                 with CommDebugMode() as comms:
                     dst.copy_(place_dtensor(src, mesh, pt))
-            except (RuntimeError, AssertionError) as e:  # 2.11's simulated ranks assert where pieces differ
+            # 2.11's simulated ranks assert (or read a missing piece) where a Partial source meets nested shards
+            except (RuntimeError, AssertionError, AttributeError) as e:
                 results[str(ps), str(pt)] = f"{type(e).__name__}: {e}"
                 continue
             assert agrees(dst, src), (ps, pt)

@@ -9,6 +9,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
+from dtensor_ext import _compat
 from dtensor_ext.testing import simulated_mesh
 
 LOSSES = {  # name -> loss of (x, t), both (rows, 3)
@@ -85,6 +86,8 @@ def test_mean_losses_run_locally_with_the_one_device_result(name, rows, mesh_sha
     world = mesh_shape[0] * mesh_shape[-1]
     if rows % world and name in EVEN_ONLY:
         return
+    if rows < world and not _compat.RULES_KEEP_EMPTY_SHARDS:
+        return  # 2.11 gathers a mesh dim holding an empty shard before any rule runs; the values are checked above
     assert forward <= VALIDATION_COLLECTIVES.get(name, 0) * len(mesh_shape)  # one per mesh dim
     if rows >= world or name not in DECOMPOSED:
         assert backward == 0

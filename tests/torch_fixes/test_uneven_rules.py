@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 from dtensor_ext.testing.checker import sample_tensor
@@ -64,6 +65,11 @@ def _torch_rule(op):
 def test_torch_rule_rows_exact_on_uneven_shards(mesh_shape, op, batch, channels, spatial):
     """Every row of torch's rule reassembles to one device on uneven and empty shards; guarded ops' channels and
     spatial dims are wide enough that no rank's kernel sees an empty one (those layouts are filtered)."""
+    if _torch_rule(op) is None:  # 2.11 shards these ops with op_strategies: no rule rows to prove, nothing to fix
+        statuses = {e.status for e in dtensor_ext.registry() if e.op == _compat.torch_op_names(op)[0]
+                    and e.family == "torch fix"}
+        assert statuses == {"not needed"}
+        return
     if UNEVEN_EXACT[op] is not _nothing_guarded:
         channels, spatial = WIDE, WIDE // 2 if op in _SAME_LAYOUT else WIDE  # max_unpool's output is twice as wide
     args = _samples(batch, channels, spatial)[op]
@@ -89,6 +95,11 @@ def test_uneven_batch_stays_sharded_without_collectives(fix_state, fixed_ops, me
     expected = CALLS[name](x, grid)
     with simulated_mesh(mesh_shape) as mesh:
         x_d, grid_d = place_dtensor(x, mesh, placements), place_dtensor(grid, mesh, placements)
+        if name == "grid_sample" and (_compat.torch_strategy_kind(torch.ops.aten.grid_sampler_2d.default)
+                                      not in _compat.DIRECT_STRATEGY_KINDS):
+            with pytest.raises(NotImplementedError, match="does not have a sharding strategy"):  # 2.11: none
+                CALLS[name](x_d, grid_d)
+            return
         with CommDebugMode() as comms:
             out = CALLS[name](x_d, grid_d)
         got = local_values(out.full_tensor())
