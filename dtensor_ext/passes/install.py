@@ -116,7 +116,8 @@ def _keeping_reports(compile_fx: Callable, compile_pass: SequenceParallelPass) -
 
 def _report_path(model, example_inputs, compile_pass: SequenceParallelPass) -> str:
     described = [getattr(model, "code", repr(model)), compile_pass.uuid().hex()]
-    described += [f"{tuple(x.shape)}:{x.dtype}" if hasattr(x, "shape") else repr(x) for x in example_inputs]
+    # tensors by shape and dtype; anything else (a DeviceMesh has a shape too) by its repr
+    described += [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
     key = hashlib.sha256("\n".join(described).encode()).hexdigest()[:32]
     return os.path.join(_compat.inductor_cache_dir(), "dtensor_ext_sequence_parallel", f"{key}.json")
 
