@@ -29,6 +29,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dtensor_ext import _compat
 from dtensor_ext.passes.inductor import SequenceParallelPass
 from dtensor_ext.passes.sequence_parallel import SequenceParallelReport
