@@ -1,7 +1,7 @@
 """The CUDA attention kernels never get a rank with an empty shard: torch's strategies lose those layouts.
 
-DTensor splits a dim like `torch.chunk`, so 6 heads over 4 ranks are held as 2, 2, 2, 0. torch's strategies for
-the SDPA CUDA kernels (flash, memory-efficient, cuDNN; forward and backward) keep an input's head or batch split
+DTensor splits a dim like `torch.chunk`, so 6 heads over 4 ranks are held as 2, 2, 2, 0. torch's strategies (2.11-2.13)
+and single-dim rules (2.15) for the SDPA CUDA kernels (flash, memory-efficient, cuDNN; forward and backward) keep an input's head or batch split
 whatever its shard sizes, and the flash kernel kills the whole process (SIGFPE) on the rank with no heads (measured
 on an H200 with torch 2.11: `tests/cuda`). A process kill cannot be probed in-process, so this fix has no feature
 check: it only removes layouts that leave some rank an empty shard of a non-empty q, k, v or gradient (never needed
@@ -16,9 +16,9 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import OpSchema, OpSpec, OpStrategy
-from dtensor_ext.torch_fixes import applied_to, torch_fix
+from dtensor_ext.torch_fixes import applied_to, torch_fix, undo_all
 from dtensor_ext.torch_fixes.empty_shards import starves_a_rank
-from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
+from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -53,5 +53,15 @@ def without_starving_layouts(torch_strategy):
 )
 def fix_attention_empty_shards():
     ops = [getattr(aten, name).default for name in KERNELS if hasattr(aten, name)]
-    ops = [op for op in ops if _compat.torch_strategy_kind(op) == "op_strategy"]
-    return applied_to(ops, wrap_strategies(ops, without_starving_layouts)) if ops else None
+    undos = {}
+    for op in ops:
+        kind = _compat.torch_strategy_kind(op)
+        if kind == "op_strategy":  # torch 2.11-2.13
+            undos[op] = wrap_strategies([op], without_starving_layouts)
+        elif kind == "single_dim":  # torch 2.15: the rule is expanded over the mesh, then filtered
+            undos[op] = single_dim_as_op_strategy(op, lambda rule: filtered_single_dim(rule, _every_rank_fed))
+    return applied_to(list(undos), undo_all(list(undos.values()))) if undos else None
+
+
+def _every_rank_fed(op_schema: OpSchema):
+    return feeds_every_rank
