@@ -20,15 +20,20 @@ def custom_op_handler(op: OpOverload):
 
 
 @contextlib.contextmanager
-def quiet_redistribute_warnings():
-    """Silence torch's per-call "suboptimal redistribution" warnings while measuring many redistributions."""
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = log.level
-    log.setLevel(logging.ERROR)
+def quiet_torch_log(name: str, level: int):
+    """Raise torch's logger `name` to `level` inside the block (messages the caller expects and handles)."""
+    log = logging.getLogger(name)
+    previous = log.level
+    log.setLevel(level)
     try:
         yield
     finally:
-        log.setLevel(level)
+        log.setLevel(previous)
+
+
+def quiet_redistribute_warnings():
+    """Silence torch's per-call "suboptimal redistribution" warnings while measuring many redistributions."""
+    return quiet_torch_log("torch.distributed.tensor._redistribute", logging.ERROR)
 
 
 def set_custom_op_handler(op: OpOverload, handler: Callable | None) -> Callable | None:

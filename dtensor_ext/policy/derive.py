@@ -12,7 +12,6 @@ Results are cached by the op and its input shapes and arguments, so repeated lay
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtensor_ext._compat import fake_tensor_mode, outside_dispatch_modes, outside_simulated_ranks
+from dtensor_ext._compat import fake_tensor_mode, outside_dispatch_modes, outside_simulated_ranks, quiet_torch_log
 from dtensor_ext.policy.graph_view import OpNode, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["Candidate", "NodeOptions", "enumerate_candidates", "is_inplace", "operand_tensors"]
@@ -155,16 +154,9 @@ def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_op
     return NodeOptions(candidates, flops, nbytes, tried)
 
 
-@contextlib.contextmanager
 def _quiet_fake_kernels():
     """Fake tensors log every kernel that refuses to run; here a refusal only means "not a candidate"."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return quiet_torch_log("torch._subclasses.fake_tensor", logging.CRITICAL)
 
 
 def _work(node: OpNode, operands, fakes) -> tuple[int, int]:
