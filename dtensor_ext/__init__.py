@@ -1,12 +1,15 @@
 """dtensor_ext: more ops sharded correctly by DTensor, proven against single-device results.
 
 Importing the package installs its rules for the ops the running torch cannot shard; nothing torch already
-shards is touched unless ``install(upgrade=...)`` asks for it.
+shards is touched unless ``install(upgrade=...)`` asks for it. Its torch fixes follow at DTensor's first use (the
+first DTensor made or strategy asked for), before DTensor does anything: their feature checks run torch on probe
+inputs, which a program that never uses DTensor should not pay for (docs/what-import-does.md).
 """
 
 import os
 import sys
 
+from dtensor_ext import _compat
 from dtensor_ext.registry import RegistryEntry, install, is_installed, registry, single_dim_rule, uninstall
 from dtensor_ext.custom_ops import register_custom_op_rule
 
@@ -16,7 +19,20 @@ __all__ = [
 __version__ = "0.1.0"
 
 # DTENSOR_EXT_FAST_PROPAGATION=1 turns fast propagation on from the start (e.g. to run a test suite with it).
-install(fast_propagation=True if os.environ.get("DTENSOR_EXT_FAST_PROPAGATION") == "1" else None)
+_FAST_PROPAGATION = True if os.environ.get("DTENSOR_EXT_FAST_PROPAGATION") == "1" else None
+
+
+def _install_at_import(install_rules):
+    """The rules now; the default install, torch fixes included, at DTensor's first use. Returns `settle(run)`,
+    which ends the wait (running that install first if `run`)."""
+    if is_installed():  # importlib.reload: keep what is installed
+        install_rules(fast_propagation=_FAST_PROPAGATION)
+        return lambda run: None
+    install_rules(fast_propagation=_FAST_PROPAGATION, fix_torch=False)
+    return _compat.at_first_dtensor_use(lambda: install_rules(fast_propagation=_FAST_PROPAGATION))
+
+
+_settle_deferred_fixes = _install_at_import(install)
 
 
 # --- planner= option (dtensor_ext.redistribute.engine): DTensor's redistribution through the planner ---
@@ -29,6 +45,7 @@ def _with_planner(install_rules, uninstall_rules):
         torch's redistribution back, None leaves it as it is."""
         if calibration is not None and not planner:
             raise ValueError("install(calibration=...): the calibration file is read by the planner; pass planner=True")
+        _settle_deferred_fixes(False)  # an explicit install decides for itself
         entries = install_rules(**options)
         if planner is not None:
             from dtensor_ext.redistribute import engine
@@ -37,6 +54,7 @@ def _with_planner(install_rules, uninstall_rules):
         return entries
 
     def uninstall():
+        _settle_deferred_fixes(False)
         engine = sys.modules.get("dtensor_ext.redistribute.engine")  # never imported: never enabled
         if engine is not None:
             engine.disable()
@@ -47,6 +65,19 @@ def _with_planner(install_rules, uninstall_rules):
 
 
 install, uninstall = _with_planner(install, uninstall)
+
+
+def _registry_with_fixes(registry_now):
+    def registry():
+        """registry() of dtensor_ext.registry, after the torch fixes an import left for DTensor's first use."""
+        _settle_deferred_fixes(True)
+        return registry_now()
+
+    registry.__wrapped__ = registry_now
+    return registry
+
+
+registry = _registry_with_fixes(registry)
 # DTENSOR_EXT_PLANNER=1 turns the planner on from the start (e.g. to run a test suite with it).
 if os.environ.get("DTENSOR_EXT_PLANNER") == "1":
     install(planner=True)

@@ -44,7 +44,7 @@ from dtensor_ext._compat.propagation import (  # noqa: F401
     torch_strategy_kind, TorchLacks, VARIANT_DERIVATION, wrap_single_dim_func,
 )
 from dtensor_ext._compat.probes import (  # noqa: F401
-    conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_dtensor, probe_mesh,
+    at_first_dtensor_use, conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_dtensor, probe_mesh,
     probe_spec, probing_dtensor_ops, propagates, shard_to_partial_refused, shard_to_partial_sum_supported,
     unbind_refuses_sharded_dim, view_groups_drops_empty_dims,
 )

@@ -1,6 +1,8 @@
 """Feature checks: what the running torch does on a tiny input, on a probe mesh with no process group behind it.
 
-The torch fixes decide from these whether a defect is there, never from version numbers or source text.
+The torch fixes decide from these whether a defect is there, never from version numbers or source text. They cost
+time and memory (the first propagation imports torch._dynamo), so `import dtensor_ext` runs them at DTensor's first
+use (`at_first_dtensor_use`).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,8 +20,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dtensor_ext._compat.propagation import clear_sharding_caches, propagate_cold
-from dtensor_ext._compat.testing import outside_simulated_ranks
+from dtensor_ext._compat.propagation import clear_sharding_caches, propagate_cold, propagator
+from dtensor_ext._compat.testing import outside_dispatch_modes, outside_simulated_ranks
 from dtensor_ext._compat.types import tensor_meta
 
 
@@ -165,3 +168,61 @@ def probe_dtensor(local: torch.Tensor, placements: Sequence[Placement], shape: S
     return DTensor.from_local(local, probe_mesh(mesh_shape), tuple(placements), run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
+
+
+class _Hook:
+    """Calls `fire()`, then `call`; every other attribute is `call`'s (the propagator's cache has cache_clear)."""
+
+    def __init__(self, call: Callable, fire: Callable[[], None]):
+        self._call, self._fire = call, fire
+
+    def __call__(self, *args, **kwargs):
+        self._fire()
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._call, name)
+
+
+def at_first_dtensor_use(callback: Callable[[], None]) -> Callable[[bool], None]:
+    """Run `callback` once, before this process first makes a DTensor or asks DTensor's sharding propagation for a
+    strategy (whichever comes first), outside any dispatch mode (fake, LocalTensor, compile tracing) and outside
+    dynamo. Returns `settle(run)`: takes the hooks away at once, running callback first if `run` (and it has not
+    run yet).
+
+    The hooks are `DTensor.__new__` and the propagator's two entries (cached, uncached); they are put back, the very
+    objects that were there, once callback has run, so later calls pay nothing. A thread that comes while callback
+    runs waits for it; callback's own DTensors and propagations (feature checks) pass straight through."""
+    prop = propagator()
+    new, cached = DTensor.__dict__["__new__"], prop.__dict__["propagate_op_sharding"]
+    lock, armed = threading.RLock(), [True]
+
+    def put_back() -> None:
+        DTensor.__new__ = new
+        prop.propagate_op_sharding = cached
+        prop.__dict__.pop("propagate_op_sharding_non_cached", None)
+
+    @torch._disable_dynamo
+    def fire() -> None:
+        with lock:
+            if not armed[0]:
+                return
+            armed[0] = False
+            try:
+                with outside_simulated_ranks(), outside_dispatch_modes():
+                    callback()
+            finally:
+                put_back()
+
+    def settle(run: bool) -> None:
+        if run:
+            fire()
+        with lock:
+            if armed[0]:
+                armed[0] = False
+                put_back()
+
+    DTensor.__new__ = staticmethod(_Hook(new, fire))
+    prop.propagate_op_sharding = _Hook(cached, fire)
+    prop.propagate_op_sharding_non_cached = _Hook(prop.propagate_op_sharding_non_cached, fire)
+    return settle

@@ -1,0 +1,77 @@
+"""`import dtensor_ext` installs the rules at once and the torch fixes at DTensor's first use, to the same end state."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from dtensor_ext import _compat
+
+# Run in a fresh interpreter: torch._dynamo and the fixes' handlers must be absent after the import, and the first
+# use (FIRST_USE) must leave exactly what an explicit install() leaves.
+FRESH = r"""
+import sys
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+pristine, new = dict(DTensor._op_dispatcher._custom_op_handlers), DTensor.__dict__["__new__"]
+import dtensor_ext
+from dtensor_ext import _compat
+assert "torch._dynamo" not in sys.modules, "import dtensor_ext pulled torch._dynamo"
+assert dict(DTensor._op_dispatcher._custom_op_handlers) == pristine, "fixes applied at import"
+assert dtensor_ext.is_installed()
+FIRST_USE
+assert DTensor.__dict__["__new__"] is new
+assert "propagate_op_sharding_non_cached" not in vars(_compat.propagator())
+def state():
+    handlers = {str(op): h.__qualname__ for op, h in DTensor._op_dispatcher._custom_op_handlers.items()}
+    return handlers, sorted((e.op, e.family, e.status) for e in dtensor_ext.registry.__wrapped__())
+lazy = state()
+assert any(family == "torch fix" and status == "fixed" for _, family, status in lazy[1])
+dtensor_ext.uninstall()
+dtensor_ext.install()
+assert state() == lazy, "the first use left another state than install()"
+print("ok")
+"""
+
+FIRST_USES = {
+    "a DTensor made": "DTensor.from_local(torch.zeros(2), _compat.probe_mesh((2,)), [Replicate()], run_check=False)",
+    "a strategy asked for": "_compat.propagator().propagate_op_sharding(_compat.OpSchema(torch.ops.aten.neg.default, "
+                            "(_compat.probe_spec(torch.zeros(2), (Replicate(),)),), {}))",
+}
+
+
+@pytest.mark.parametrize("first_use", list(FIRST_USES), ids=["dtensor", "propagation"])
+def test_fixes_wait_for_the_first_use_and_then_match_install(first_use):
+    code = FRESH.replace("FIRST_USE", FIRST_USES[first_use])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_hook_runs_once_outside_modes_and_leaves_torch_as_it_was(mesh_1d2):
+    """Here, under the simulated ranks of `mesh_1d2`, as the first DTensor of a test would be made."""
+    prop = _compat.propagator()
+    new, cached = DTensor.__dict__["__new__"], prop.__dict__["propagate_op_sharding"]
+    seen = []
+
+    def callback():
+        seen.append(_compat.enabled_local_tensor_mode())
+        DTensor.from_local(torch.zeros(2), _compat.probe_mesh((2,)), [Replicate()], run_check=False)  # passes through
+
+    settle = _compat.at_first_dtensor_use(callback)
+    assert DTensor.__dict__["__new__"] is not new
+    DTensor.from_local(torch.zeros(2), mesh_1d2, [Replicate()], run_check=False)
+    DTensor.from_local(torch.zeros(2), mesh_1d2, [Replicate()], run_check=False)
+    settle(True)
+    assert seen == [None]  # once, outside LocalTensorMode
+    assert DTensor.__dict__["__new__"] is new and prop.__dict__["propagate_op_sharding"] is cached
+    assert "propagate_op_sharding_non_cached" not in prop.__dict__
+
+
+def test_settle_runs_or_drops_a_waiting_callback():
+    ran = []
+    _compat.at_first_dtensor_use(lambda: ran.append("run"))(True)
+    _compat.at_first_dtensor_use(lambda: ran.append("dropped"))(False)
+    DTensor.from_local(torch.zeros(2), _compat.probe_mesh((2,)), [Replicate()], run_check=False)  # nothing fires
+    assert ran == ["run"]
