@@ -39,7 +39,7 @@ def _renorm_in_place(op_call, args, kwargs):
     if all(isinstance(p, Replicate) for p in weight.placements) or not isinstance(indices, DTensor):
         return generic_dispatch(op_call, args, kwargs)
     mesh = weight.device_mesh
-    rows_kept = rows_sharded_where_masking_works(weight)
+    rows_kept = rows_sharded_where_masking_works(weight.placements, mesh, weight.shape[0])
     working = tuple(p if isinstance(p, Shard) and p.dim == 0 and p == kept else Replicate()
                     for p, kept in zip(weight.placements, rows_kept))
     work = weight if working == tuple(weight.placements) else weight.redistribute(mesh, working)
