@@ -169,3 +169,24 @@ def test_compiled_vocab_parallel_embedding_with_dynamic_sequence_lengths():
 
     results = run_ranks(_compiled_vocab_parallel_embedding, world=2, timeout_s=200)
     assert results == {rank: (1, [True, True, True]) for rank in range(2)}
+
+
+def test_the_fixes_filter_torch_strategy_and_leave_dispatch_to_dtensor(restore_install):
+    """No dispatch handler: DTensor's cached propagation (its C++ fast path) runs every lookup. Where the fixes apply,
+    the strategy DTensor propagates no longer offers the rows sharded twice or the mask a gather would outgrow."""
+    from dtensor_ext import _compat
+
+    dtensor_ext.install()
+    op = torch.ops.aten.embedding.default
+    assert _compat.custom_op_handler(op) is None
+    weight, index = sample_tensor((10, 6)), torch.tensor([[1, 9], [4, 5]])
+    with simulated_mesh((2, 2)) as mesh:
+        twice = distribute_tensor(weight, mesh, [Shard(0), Shard(0)])
+        dindex = distribute_tensor(index, mesh, [Replicate(), Replicate()])
+        moved_weight = _compat.suggested_input_specs(op, (twice, dindex), {})[0]
+        vocab_then_batch = distribute_tensor(index, mesh, [Replicate(), Shard(0)])
+        out = F.embedding(vocab_then_batch, distribute_tensor(weight, mesh, [Shard(0), Replicate()]))
+    fixes = {e.where.split(":")[1]: e.status for e in dtensor_ext.registry() if e.op == "aten::embedding.default"}
+    if "fixed" in fixes.values():  # 2.11-2.15 all have both defects
+        assert sum(p == Shard(0) for p in moved_weight.placements) <= 1, moved_weight
+        assert agrees(out, F.embedding(index, weight))
