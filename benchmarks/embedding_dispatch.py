@@ -3,7 +3,8 @@
 Warm caches (each case runs before it is timed), simulated meshes (1-D with 4 ranks, 2x2), the usual layouts of a
 vocab-parallel or replicated embedding; `mm` and `add` on the same meshes as controls. Installed and uninstalled
 alternate per repetition so that machine noise hits both; each number is the best repetition's CPU time per
-call.
+call. The last column counts the Python function calls of one call (cProfile, uninstalled / installed): unlike
+time on a shared machine it has no noise, and equal counts mean the same path through DTensor's dispatch.
 
     PYTHONPATH=. python benchmarks/embedding_dispatch.py [--calls 200] [--repeats 7]
 """
@@ -11,6 +12,8 @@ call.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -50,6 +53,12 @@ def per_call_us(fn, calls: int) -> float:
     return (time.thread_time() - start) / calls * 1e6
 
 
+def python_calls(fn) -> int:
+    profile = cProfile.Profile()
+    profile.runcall(fn)
+    return sum(stats[1] for stats in pstats.Stats(profile).stats.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200, help="calls per timed repetition (default 200)")
@@ -61,16 +70,17 @@ def main() -> None:
     for shape in ((4,), (2, 2)):
         with simulated_mesh(shape) as mesh:
             for name, fn in cases(mesh):
-                best = {}
+                best, calls = {}, {}
                 for _ in range(args.repeats):
                     for installed in (False, True):
                         dtensor_ext.install() if installed else dtensor_ext.uninstall()
                         fn()  # warm both caches for this state
                         t = per_call_us(fn, args.calls)
                         best[installed] = min(best.get(installed, t), t)
+                        calls[installed] = python_calls(fn)
                 dtensor_ext.install()
                 print(f"  {'x'.join(map(str, shape)):>4}  {name:<48} {best[False]:8.1f} / {best[True]:8.1f} "
-                      f"({best[True] / best[False]:.2f}x)")
+                      f"({best[True] / best[False]:.2f}x)  {calls[False]:5d} / {calls[True]:5d} calls")
 
 
 if __name__ == "__main__":

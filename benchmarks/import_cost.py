@@ -1,5 +1,6 @@
 """What `import dtensor_ext` costs on top of `import torch.distributed.tensor`: wall time and resident memory it adds,
-each measured in fresh interpreters, best of --runs, side by side with the baseline (torch alone) in the same run.
+each measured in fresh interpreters, best of --runs (CPU time too: on a loaded machine wall time mostly
+measures the other processes), side by side with the baseline (torch alone) in the same run.
 
 Three moments of a program that has imported torch's DTensor:
 * the import alone;
@@ -35,14 +36,14 @@ x = torch.ones(4)
 if WARM:
     import torch._dynamo
 before, modules = rss_mb(), set(sys.modules)
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 if PACKAGE:
     import dtensor_ext
 if FIRST_OP:
     d = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     d + d
-seconds = time.perf_counter() - start
-print(json.dumps({"s": seconds, "mb": rss_mb() - before, "modules": len(set(sys.modules) - modules),
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+print(json.dumps({"s": seconds, "cpu": cpu, "mb": rss_mb() - before, "modules": len(set(sys.modules) - modules),
                   "where": getattr(sys.modules.get("dtensor_ext"), "__file__", None)}))
 """
 
@@ -66,7 +67,7 @@ def measure(checkout: str | None, warm: bool, first_op: bool, runs: int) -> dict
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
                              cwd=tempfile.gettempdir())  # `-c` puts the working directory first on sys.path
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {"s": min(r["s"] for r in results), "mb": min(r["mb"] for r in results),
+    return {"s": min(r["s"] for r in results), "cpu": min(r["cpu"] for r in results), "mb": min(r["mb"] for r in results),
             "modules": results[0]["modules"], "where": results[0]["where"]}
 
 
@@ -80,11 +81,13 @@ def main() -> None:
     for moment, (warm, first_op) in MOMENTS.items():
         base = measure(None, warm, first_op, args.runs)
         print(f"{moment}:")
-        print(f"  {'torch alone':<8} {base['s']:7.3f} s {base['mb']:7.1f} MB {base['modules']:5d} modules")
+        print(f"  {'torch alone':<11} {base['s']:6.3f} s wall {base['cpu']:6.3f} s CPU {base['mb']:6.1f} MB "
+              f"{base['modules']:4d} modules")
         for label, checkout in checkouts:
             pkg = measure(checkout, warm, first_op, args.runs)
-            print(f"  {label:<8} {pkg['s']:7.3f} s {pkg['mb']:7.1f} MB {pkg['modules']:5d} modules  "
-                  f"(package adds {pkg['s'] - base['s']:+.3f} s, {pkg['mb'] - base['mb']:+.1f} MB; {pkg['where']})")
+            print(f"  {label:<11} {pkg['s']:6.3f} s wall {pkg['cpu']:6.3f} s CPU {pkg['mb']:6.1f} MB "
+                  f"{pkg['modules']:4d} modules  (package adds {pkg['s'] - base['s']:+.3f} s wall, "
+                  f"{pkg['cpu'] - base['cpu']:+.3f} s CPU, {pkg['mb'] - base['mb']:+.1f} MB; {pkg['where']})")
 
 
 if __name__ == "__main__":
