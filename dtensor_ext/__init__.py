@@ -9,7 +9,7 @@ inputs, which a program that never uses DTensor should not pay for (docs/what-im
 import os
 import sys
 
-from dtensor_ext import _compat
+from dtensor_ext import _compat, fast_propagation
 from dtensor_ext.registry import RegistryEntry, install, is_installed, registry, single_dim_rule, uninstall
 from dtensor_ext.custom_ops import register_custom_op_rule
 
@@ -29,7 +29,13 @@ def _install_at_import(install_rules):
         install_rules(fast_propagation=_FAST_PROPAGATION)
         return lambda run: None
     install_rules(fast_propagation=_FAST_PROPAGATION, fix_torch=False)
-    return _compat.at_first_dtensor_use(lambda: install_rules(fast_propagation=_FAST_PROPAGATION))
+
+    def install_fixes():
+        fast = fast_propagation.is_enabled()
+        install_rules()  # reinstalls with the fixes; its uninstall puts torch's N-D expansion back
+        install_rules(fast_propagation=fast)  # so the expansion in use before comes back too
+
+    return _compat.at_first_dtensor_use(install_fixes)
 
 
 _settle_deferred_fixes = _install_at_import(install)

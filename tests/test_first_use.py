@@ -1,5 +1,6 @@
 """`import dtensor_ext` installs the rules at once and the torch fixes at DTensor's first use, to the same end state."""
 
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from dtensor_ext import _compat
 # Run in a fresh interpreter: torch._dynamo and the fixes' handlers must be absent after the import, and the first
 # use (FIRST_USE) must leave exactly what an explicit install() leaves.
 FRESH = r"""
-import sys
+import os, sys
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 pristine, new = dict(DTensor._op_dispatcher._custom_op_handlers), DTensor.__dict__["__new__"]
@@ -22,6 +23,8 @@ assert "torch._dynamo" not in sys.modules, "import dtensor_ext pulled torch._dyn
 assert dict(DTensor._op_dispatcher._custom_op_handlers) == pristine, "fixes applied at import"
 assert dtensor_ext.is_installed()
 FIRST_USE
+fast = os.environ.get("DTENSOR_EXT_FAST_PROPAGATION") == "1"
+assert dtensor_ext.fast_propagation.is_enabled() == fast, "the first use changed the N-D expansion"
 assert DTensor.__dict__["__new__"] is new
 assert "propagate_op_sharding_non_cached" not in vars(_compat.propagator())
 def state():
@@ -42,10 +45,12 @@ FIRST_USES = {
 }
 
 
-@pytest.mark.parametrize("first_use", list(FIRST_USES), ids=["dtensor", "propagation"])
-def test_fixes_wait_for_the_first_use_and_then_match_install(first_use):
+@pytest.mark.parametrize("first_use, fast", [(use, False) for use in FIRST_USES] + [("a DTensor made", True)],
+                         ids=["dtensor", "propagation", "dtensor-fast-propagation"])
+def test_fixes_wait_for_the_first_use_and_then_match_install(first_use, fast):
     code = FRESH.replace("FIRST_USE", FIRST_USES[first_use])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    env = {**os.environ, "DTENSOR_EXT_FAST_PROPAGATION": "1" if fast else "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
