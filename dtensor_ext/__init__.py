@@ -9,7 +9,7 @@ inputs, which a program that never uses DTensor should not pay for (docs/what-im
 import os
 import sys
 
-from dtensor_ext import _compat, fast_propagation
+from dtensor_ext import _compat
 from dtensor_ext.registry import RegistryEntry, install, is_installed, registry, single_dim_rule, uninstall
 from dtensor_ext.custom_ops import register_custom_op_rule
 
@@ -30,12 +30,7 @@ def _install_at_import(install_rules):
         return lambda run: None
     install_rules(fast_propagation=_FAST_PROPAGATION, fix_torch=False)
 
-    def install_fixes():
-        fast = fast_propagation.is_enabled()
-        install_rules()  # reinstalls with the fixes; its uninstall puts torch's N-D expansion back
-        install_rules(fast_propagation=fast)  # so the expansion in use before comes back too
-
-    return _compat.at_first_dtensor_use(install_fixes)
+    return _compat.at_first_dtensor_use(install_rules)  # the same rules, now with the fixes added
 
 
 _settle_deferred_fixes = _install_at_import(install)

@@ -146,8 +146,6 @@ def install(
     """
     global _state
     _load_rule_modules()
-    if fast_propagation is not None:
-        (_fast_propagation.enable if fast_propagation else _fast_propagation.disable)()
     for op_name in _normalized_upgrade_names(upgrade):
         spec = _SPECS.get(op_name)
         if spec is None or not spec.superset_of_torch:
@@ -156,10 +154,16 @@ def install(
                 f"candidates: {sorted(s.op_name for s in _SPECS.values() if s.superset_of_torch)}"
             )
 
+    if _state is not None and _state.upgrade == _freeze(upgrade) and fix_torch >= _state.fix_torch:
+        if fix_torch and not _state.fix_torch:  # the same rules, now with the fixes: add them only
+            _state.undo_fixes = _apply_torch_fixes(_state.entries)
+            _state.fix_torch = True
+            _compat.clear_sharding_caches()
+        _set_fast_propagation(fast_propagation)
+        return _state.entries
     if _state is not None:
-        if (_state.upgrade, _state.fix_torch) == (_freeze(upgrade), fix_torch):
-            return _state.entries
-        uninstall()
+        uninstall()  # which puts torch's N-D expansion back: the option below applies after it
+    _set_fast_propagation(fast_propagation)
     prop = _compat.propagator()
     before = set(prop.op_single_dim_strategy_funcs)
     entries: list[RegistryEntry] = []
@@ -197,6 +201,11 @@ def install(
     _state = _Installed(entries, previous, ours, _freeze(upgrade), fix_torch, undo_fixes)
     _compat.clear_sharding_caches()
     return entries
+
+
+def _set_fast_propagation(on: bool | None) -> None:
+    if on is not None:
+        (_fast_propagation.enable if on else _fast_propagation.disable)()
 
 
 def _variants_left_out(registered: dict[OpOverload, RuleSpec]) -> list[RegistryEntry]:
