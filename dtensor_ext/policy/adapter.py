@@ -359,11 +359,13 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
     local: set[int] = set()
     params: dict[str, list] = {graph.params[t]: [] for t in sources if t in graph.params}
     total = 0.0
+    differentiated = _differentiated(graph)
     for m in range(mesh.ndim):
         options = []
         for node in graph.nodes:
             param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
-            found = cache.options(node, m, param_slots)
+            grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
+            found = cache.options(node, m, param_slots, grad_slots)
             requirement = requirements.get(node.index)
             if requirement is not None and m in requirement.mesh_dims:
                 kept = [c for c in found.candidates if requirement.admits(c)]
@@ -447,6 +449,16 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                                 f"{_fmt(tuple(held))} -> {_fmt(op.inputs[slot])}")
         ops.append(op)
     return ops, {fqn: tuple(p) for fqn, p in params.items()}, total
+
+
+def _differentiated(graph: GraphView) -> set[int]:
+    """The trace ids backward reaches: parameters and inputs that require gradients, and every floating output
+    of an op that reads one (the trace ran without gradients, so this follows the dataflow)."""
+    found = {tid for tid, t in graph.tensors.items() if t.requires_grad}
+    for node in graph.nodes:
+        if any(tid in found for tid in node.operand_ids) and getattr(node.fn, "__name__", "") != "detach":
+            found.update(tid for tid in node.output_ids if graph.tensors[tid].is_floating_point())
+    return found
 
 
 def _replicated_candidate(node: OpNode) -> Candidate:

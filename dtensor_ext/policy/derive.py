@@ -113,16 +113,17 @@ class CandidateCache:
         self.mesh = mesh
         self.cache = _FOUND
 
-    def options(self, node: OpNode, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
+    def options(self, node: OpNode, mesh_dim: int, param_operands: frozenset[int],
+                grad_operands: frozenset[int]) -> NodeOptions:
         """Mesh dims of the same size share candidates: they are found on the first of them."""
         size = self.mesh.size(mesh_dim)
         first = next(d for d in range(self.mesh.ndim) if self.mesh.size(d) == size)
         try:
-            key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands)
+            key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands, grad_operands)
         except _Uncacheable:
-            return enumerate_candidates(node, *self._one_dim(first), param_operands)
+            return enumerate_candidates(node, *self._one_dim(first), param_operands, grad_operands)
         if key not in self.cache:
-            self.cache[key] = enumerate_candidates(node, *self._one_dim(first), param_operands)
+            self.cache[key] = enumerate_candidates(node, *self._one_dim(first), param_operands, grad_operands)
         return self.cache[key]
 
     def _one_dim(self, mesh_dim: int) -> tuple[DeviceMesh, int]:
@@ -135,9 +136,12 @@ class CandidateCache:
             return self.mesh[names[mesh_dim]], 0
 
 
-def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
+def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_operands: frozenset[int],
+                         grad_operands: frozenset[int]) -> NodeOptions:
     """Run `node` on fake DTensors for every combination of input placements on `mesh_dim` (Replicate on the
-    other dims) and keep those DTensor runs forward and backward without communicating."""
+    other dims) and keep those DTensor runs forward and backward without communicating. Only the operands in
+    `grad_operands` (those the training step differentiates) get gradients: a mask or a rotary table has none,
+    so the partial gradient DTensor would make for it is no cost."""
     size = mesh.size(mesh_dim)
     operands = operand_tensors(node)
     options = [_placements(t, size, k in param_operands) for k, t in enumerate(operands)]
@@ -146,7 +150,7 @@ def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_op
         fakes = [fake.from_tensor(t) for t in operands]
         flops, nbytes = _work(node, operands, fakes)
         for combo in _combinations(options):
-            found = _try(node, mesh, mesh_dim, operands, fakes, combo)
+            found = _try(node, mesh, mesh_dim, operands, fakes, combo, grad_operands)
             if isinstance(found, Candidate):
                 candidates.append(found)
             else:
@@ -189,8 +193,8 @@ def _as_dtensor(fake_global, mesh, mesh_dim, placement, grad: bool):
     return d.requires_grad_() if grad else d
 
 
-def _try(node: OpNode, mesh, mesh_dim, operands, fakes, combo) -> Candidate | str:
-    grads_wanted = [f.is_floating_point() for f in fakes]
+def _try(node: OpNode, mesh, mesh_dim, operands, fakes, combo, grad_operands) -> Candidate | str:
+    grads_wanted = [k in grad_operands and f.is_floating_point() for k, f in enumerate(fakes)]
     dts = [_as_dtensor(f, mesh, mesh_dim, p, g) for f, p, g in zip(fakes, combo, grads_wanted)]
     try:
         with torch.enable_grad(), CommDebugMode() as comm:
