@@ -3,17 +3,22 @@
 For each model (tiny random weights, fp32) and mesh (1-D of 4, 2x2 named (dp, tp)), one forward + backward of the
 token cross-entropy on simulated ranks, with three plans:
 
-  (a) search   - the mesh only, no constraints: the solver plans everything (with --search-budget F, under a
-                 per-rank budget of F times the replicated parameters + gradients + Adam state);
+  (a) search   - the mesh only, no constraints: the solver plans everything;
   (b) yaml     - the shipped-style YAML (linears column- or row-parallel, never replicated);
   (c) hand     - torchtitan's TP plan with torch's ParallelStyles on 'tp' (Colwise q/k/v/gate/up, Rowwise o/down,
                  lm_head Colwise gathered); on 2x2 each dp rank takes its half of the batch and the gradients are
                  all-reduced over dp, as DDP does.
 
+(a) and (b) are planned under a per-rank memory budget (--budget): by default what (c) measured, i.e. (c)'s
+parameters times 4 (parameters, gradients, Adam's two moments) plus its saved activations, so that the search
+is asked for a plan at (c)'s memory or less; --budget none plans without one, --budget F gives F times the
+replicated parameter state.
+
 Reported per plan: collectives and bytes each rank sends per step (CommStatsMode), the bytes a rank holds in
-parameters and in tensors saved for backward (its shard sizes, through saved_tensors_hooks: the simulated ranks share
-one process, so this stands in for peak memory), the largest error of the loss and of any gradient against one
-device, and the planning time (build_plan, once; the candidates cache is cleared before each plan).
+parameters and in tensors saved for backward (its shard sizes, through saved_tensors_hooks, parameters and views of
+them aside since a rank holds those anyway: the simulated ranks share one process, so this stands in for peak
+memory), the largest error of the loss and of any gradient against one device, and the planning time (build_plan,
+once; the candidates cache is cleared before each plan).
 
     PYTHONPATH=. python benchmarks/policy_quality.py [--models llama qwen2 mixtral gemma2] [--meshes 4 2x2]
 """
@@ -91,12 +96,17 @@ def hand_plan(model) -> dict:
     return plan
 
 
+STATE_COPIES = 4  # a parameter, its gradient and Adam's two moments
+
+
 def step(model, ids, labels, count, dp_mesh=None):
     saved = 0
+    params = {id(p) for p in model.parameters()}
 
     def pack(t):
         nonlocal saved
-        saved += per_rank_max(t)
+        if id(t) not in params and id(t._base) not in params:
+            saved += per_rank_max(t)
         return t
 
     with CommStatsMode() as stats:
@@ -126,7 +136,9 @@ def _values(t):
     return list((local_tensor_values(t) or {0: t}).values())
 
 
-def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float | None = None) -> dict:
+def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float | int | None = None) -> dict:
+    """One plan measured. `budget`: bytes per rank (an int), a fraction of the replicated parameter state (a
+    float), or None."""
     reference, model = tiny(name), tiny(name)
     ids, labels = batch()
     count = int((labels != -100).sum())
@@ -147,8 +159,8 @@ def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float 
         else:
             derive._FOUND.clear()
             try:
-                state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
-                cap = int(budget * state) if budget and variant == "search" else None
+                state = STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
+                cap = int(budget * state) if isinstance(budget, float) else budget
                 plan = build_plan(model, mesh, (ids,), constraints=YAML if variant == "yaml" else None,
                                   memory_budget=cap)
             except PolicyError as exc:
@@ -167,16 +179,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(CONFIGS))
     parser.add_argument("--meshes", nargs="+", default=["4", "2x2"])
-    parser.add_argument("--plans", nargs="+", default=["search", "yaml", "hand"])
-    parser.add_argument("--search-budget", type=float, default=None)
+    parser.add_argument("--plans", nargs="+", default=["hand", "search", "yaml"])
+    parser.add_argument("--budget", default="hand", help="'hand' (what (c) measured), 'none', or a fraction of the "
+                                                         "replicated parameter state")
     args = parser.parse_args()
     print(f"{'model':8} {'mesh':4} {'plan':6} {'plan s':>7} {'bytes/rank':>10} {'params B':>9} {'saved B':>9} "
           f"{'max err':>8}  collectives")
     for name in args.models:
         for mesh in args.meshes:
             shape = tuple(int(s) for s in mesh.split("x"))
+            budget = None if args.budget in ("none", "hand") else float(args.budget)
+            if args.budget == "hand":
+                hand = measure(name, shape, "hand")
+                budget = STATE_COPIES * hand["params"] + hand["saved"]
+                print(f"{name:8} {mesh:4} budget {budget} B per rank (what the hand plan holds)", flush=True)
             for variant in args.plans:
-                r = measure(name, shape, variant, args.search_budget)
+                r = hand if variant == "hand" and args.budget == "hand" else measure(name, shape, variant, budget)
                 if "refused" in r:
                     print(f"{name:8} {mesh:4} {variant:6} refused: {r['refused']}", flush=True)
                     continue

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import time
 import warnings
@@ -179,7 +180,8 @@ def build_plan(
     Neither constraints nor policy: the search alone plans on the whole mesh. Unused constraints are errors
     unless ``warn_unused``. ``cost_model``: the redistribution cost model (the package's IdealCostModel by
     default; a CalibratedCostModel from an autotune file). ``memory_budget``: bytes a rank may hold in parameters,
-    their gradients and Adam's two moments (4 copies of its parameter shards)."""
+    their gradients and Adam's two moments (4 copies of its parameter shards) and in the activations autograd
+    saves for backward."""
     if constraints is not None and policy is not None:
         raise PolicyError("build_plan", "constraints/policy", "both",
                           "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
@@ -340,13 +342,30 @@ _LOCAL = "local"
 
 
 TIE_S_PER_BYTE = 1e-18
+# re-solves of every mesh dim with the others' choices fixed, at most, while a memory budget couples them
+MEMORY_ROUNDS = 3
 # parameters, gradients and Adam's two moments: the bytes a rank holds per parameter byte
 STATE_COPIES = 4
 
 
+@dataclass
+class _DimProblem:
+    """One mesh dim's choice as HiGHS sees it, and what the memory rows need: the rows of the sources
+    (parameters, inputs) and, per op, its one-device saved bytes and each candidate's."""
+
+    problem: Problem
+    source_rows: dict[int, int]
+    saved: dict[int, tuple[int, list[int]]]
+
+
 def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model,
             memory_budget: int | None = None):
-    """Per mesh dim: candidates, constraints, one exact solve; then the per-op placements over all dims."""
+    """Per mesh dim: candidates, constraints, one exact solve; then the per-op placements over all dims.
+
+    Dims are independent problems except for a memory budget, which covers what a rank holds after every dim's
+    choice: each dim is solved with the unsolved dims counted as dividing by their size, then (on an N-D mesh)
+    each is solved again with the others' choices as made, until no choice changes (every re-solve keeps the
+    current choice feasible, so the modelled cost only falls)."""
     cache = CandidateCache(mesh)
     model = cost_model.bind(tuple(mesh.shape))
     producers: dict[int, tuple[int, int]] = {}
@@ -354,105 +373,168 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
         for o, tid in enumerate(node.output_ids):
             producers[tid] = (node.index, o)
     sources = sorted({tid for node in graph.nodes for tid in node.operand_ids if tid not in producers})
-    chosen_inputs = {n.index: [[] for _ in n.operand_ids] for n in graph.nodes}
-    chosen_outputs = {n.index: [[] for _ in n.output_ids] for n in graph.nodes}
     local: set[int] = set()
-    params: dict[str, list] = {graph.params[t]: [] for t in sources if t in graph.params}
-    total = 0.0
-    for m in range(mesh.ndim):
-        options = []
-        for node in graph.nodes:
-            param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
-            found = cache.options(node, m, param_slots)
-            requirement = requirements.get(node.index)
-            if requirement is not None and m in requirement.mesh_dims:
-                kept = [c for c in found.candidates if requirement.admits(c)]
-                if not kept and not (requirement.replica_allowed and not found.candidates):
-                    raise _unmet(node, requirement, found, mesh, m)
-            else:
-                kept = found.candidates
-            if not kept:
-                if is_inplace(node):
-                    raise PolicyError(str(node), "op", node.signature,
-                                      "an in-place op DTensor can run (it has no sharding rule for these inputs, and "
-                                      "writing into a gathered copy would leave the original unchanged)")
-                local.add(node.index)
-                kept = [_replicated_candidate(node)]
-            options.append([(c.inputs, c.outputs, c.grads, _compute_s(found, c, mesh.size(m))) for c in kept])
-        source_rows = {}
-        for tid in sources:
-            source_rows[tid] = len(options)
-            value = graph.tensors[tid]
-            places = [Replicate()]
-            if tid in graph.params:
-                places += [Shard(d) for d in range(value.ndim) if value.shape[d] % mesh.size(m) == 0
-                           and value.shape[d] >= mesh.size(m)]
-            nbytes = value.numel() * value.element_size()
-            # ties go to the smaller footprint: a byte held costs far less than any modelled time
-            options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / (mesh.size(m) if p.is_shard() else 1))
-                            for p in places])
-        edges, readers = [], {}
-        for node in graph.nodes:
-            for slot, tid in enumerate(node.operand_ids):
-                readers.setdefault(tid, []).append((node.index, slot))
-                u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
-                price = _pricer(graph.tensors[tid], model, m, mesh.size(m))
-                if slot == 0 and is_inplace(node):
-                    price = _unmoved(price)
-                edges.append((u, o, node.index, slot, price))
-        sink = len(options)
-        options.append([((Replicate(),), (), (None,), 0.0)])
-        for tid in graph.outputs:
-            if tid in producers:  # the caller gets full tensors: each output ends replicated
-                u, o = producers[tid]
-                edges.append((u, o, sink, 0, _pricer(graph.tensors[tid], model, m, mesh.size(m))))
-        names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
-        reductions = [(_reduction_s(graph.tensors[tid], model, m), found) for tid, found in readers.items()
-                      if graph.tensors[tid].is_floating_point()]
-        budget = None
-        if memory_budget is not None:  # this dim's choice, with the earlier dims' shards and the later ones whole
-            held = {}
-            for tid in sources:
-                if tid in graph.params:
-                    value = graph.tensors[tid]
-                    earlier = params[graph.params[tid]]
-                    divisor = 1
-                    for d, p in enumerate(earlier):
-                        divisor *= mesh.size(d) if p.is_shard() else 1
-                    whole = STATE_COPIES * value.numel() * value.element_size() / divisor
-                    held[source_rows[tid]] = [whole / (mesh.size(m) if o[1][0].is_shard() else 1)
-                                              for o in options[source_rows[tid]]]
-            budget = (memory_budget, held)
-        picks, cost = solve(Problem(options, edges, names, reductions, budget), f"mesh dim {m}")
-        total += cost
-        for node in graph.nodes:
-            c = options[node.index][picks[node.index]]
-            for k, p in enumerate(c[0]):
-                chosen_inputs[node.index][k].append(p)
-            for k, p in enumerate(c[1]):
-                chosen_outputs[node.index][k].append(p)
-        for tid in sources:
-            if tid in graph.params:
-                params[graph.params[tid]].append(options[source_rows[tid]][picks[source_rows[tid]]][1][0])
+    differentiated = _differentiated(graph)
+    dims = [_dim_problem(graph, mesh, m, cache, requirements, differentiated, producers, sources, model, local)
+            for m in range(mesh.ndim)]
+    picks, costs = _solve_dims(graph, mesh, dims, memory_budget)
+    params = {graph.params[tid]: tuple(d.problem.options[d.source_rows[tid]][p[d.source_rows[tid]]][1][0]
+                                       for d, p in zip(dims, picks))
+              for tid in sources if tid in graph.params}
+    chosen = {node.index: [d.problem.options[node.index][p[node.index]] for d, p in zip(dims, picks)]
+              for node in graph.nodes}
     ops = []
     for node in graph.nodes:
-        op = OpChoice(node, tuple(tuple(p) for p in chosen_inputs[node.index]),
-                      tuple(tuple(p) for p in chosen_outputs[node.index]), node.index in local)
+        inputs = tuple(tuple(c[0][k] for c in chosen[node.index]) for k in range(len(node.operand_ids)))
+        outputs = tuple(tuple(c[1][k] for c in chosen[node.index]) for k in range(len(node.output_ids)))
+        op = OpChoice(node, inputs, outputs, node.index in local)
         for slot, tid in enumerate(node.operand_ids):
-            held = (chosen_outputs[producers[tid][0]][producers[tid][1]] if tid in producers
-                    else params.get(graph.params.get(tid), [Replicate()] * mesh.ndim))
-            if tuple(held) != op.inputs[slot]:
+            held = (tuple(c[1][producers[tid][1]] for c in chosen[producers[tid][0]]) if tid in producers
+                    else params.get(graph.params.get(tid), (Replicate(),) * mesh.ndim))
+            if held != op.inputs[slot]:
                 what = f"%{producers[tid][0]}" if tid in producers else graph.params.get(tid, "input")
                 op.moves.append(f"input {slot} ({what}, {list(graph.tensors[tid].shape)}): "
-                                f"{_fmt(tuple(held))} -> {_fmt(op.inputs[slot])}")
+                                f"{_fmt(held)} -> {_fmt(op.inputs[slot])}")
         ops.append(op)
-    return ops, {fqn: tuple(p) for fqn, p in params.items()}, total
+    return ops, params, sum(costs)
 
 
-def _replicated_candidate(node: OpNode) -> Candidate:
+def _solve_dims(graph: GraphView, mesh: DeviceMesh, dims: list[_DimProblem], memory_budget: int | None):
+    """Each dim's pick; under a memory budget on an N-D mesh, from every order of first solves (a dim solved
+    early counts the later ones as dividing by their size, which the later ones may not manage cheaply), each
+    followed by re-solves with the other dims fixed; the cheapest plan that fits wins."""
+    if memory_budget is None:
+        return zip(*(solve(d.problem, f"mesh dim {m}") for m, d in enumerate(dims)))
+    best, refusal = None, None
+    for order in itertools.permutations(range(mesh.ndim)):
+        picks: list = [None] * mesh.ndim
+        costs = [0.0] * mesh.ndim
+
+        def solve_dim(m: int) -> bool:
+            dims[m].problem.memory = (memory_budget, _held(graph, mesh, m, dims, picks))
+            found, costs[m] = solve(dims[m].problem, f"mesh dim {m}")
+            changed, picks[m] = found != picks[m], found
+            return changed
+
+        try:
+            for m in order:
+                solve_dim(m)
+            for _ in range(MEMORY_ROUNDS if mesh.ndim > 1 else 0):
+                if not any([solve_dim(m) for m in order]):
+                    break
+        except PolicyError as exc:  # no plan fits after this order's first choices
+            refusal = exc
+            continue
+        if best is None or sum(costs) < sum(best[1]):
+            best = (list(picks), list(costs))
+    if best is None:
+        raise refusal
+    return best
+
+
+def _dim_problem(graph: GraphView, mesh: DeviceMesh, m: int, cache: CandidateCache,
+                 requirements: dict[int, Requirement], differentiated: set[int], producers: dict, sources: list,
+                 model, local: set[int]) -> _DimProblem:
+    """Mesh dim m's candidates (filtered by the constraints), sources, dataflow edges and gradient reductions."""
+    options, saved = [], {}
+    for node in graph.nodes:
+        param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
+        grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
+        found = cache.options(node, m, param_slots, grad_slots)
+        requirement = requirements.get(node.index)
+        if requirement is not None and m in requirement.mesh_dims:
+            kept = [c for c in found.candidates if requirement.admits(c)]
+            if not kept and not (requirement.replica_allowed and not found.candidates):
+                raise _unmet(node, requirement, found, mesh, m)
+        else:
+            kept = found.candidates
+        if not kept:
+            if is_inplace(node):
+                raise PolicyError(str(node), "op", node.signature,
+                                  "an in-place op DTensor can run (it has no sharding rule for these inputs, and "
+                                  "writing into a gathered copy would leave the original unchanged)")
+            local.add(node.index)
+            kept = [_replicated_candidate(node, found.saved)]
+        # ties go to the smaller footprint: a byte held costs far less than any modelled time
+        options.append([(c.inputs, c.outputs, c.grads, _compute_s(found, c, mesh.size(m)) + TIE_S_PER_BYTE * c.saved)
+                        for c in kept])
+        saved[node.index] = (found.saved, [c.saved for c in kept])
+    source_rows = {}
+    for tid in sources:
+        source_rows[tid] = len(options)
+        value = graph.tensors[tid]
+        places = [Replicate()]
+        if tid in graph.params:
+            places += [Shard(d) for d in range(value.ndim) if value.shape[d] % mesh.size(m) == 0
+                       and value.shape[d] >= mesh.size(m)]
+        nbytes = value.numel() * value.element_size()
+        options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / (mesh.size(m) if p.is_shard() else 1))
+                        for p in places])
+    edges, readers = [], {}
+    for node in graph.nodes:
+        for slot, tid in enumerate(node.operand_ids):
+            readers.setdefault(tid, []).append((node.index, slot))
+            u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
+            price = _pricer(graph.tensors[tid], model, m, mesh.size(m))
+            if slot == 0 and is_inplace(node):
+                price = _unmoved(price)
+            edges.append((u, o, node.index, slot, price))
+    sink = len(options)
+    options.append([((Replicate(),), (), (None,), 0.0)])
+    for tid in graph.outputs:
+        if tid in producers:  # the caller gets full tensors: each output ends replicated
+            u, o = producers[tid]
+            edges.append((u, o, sink, 0, _pricer(graph.tensors[tid], model, m, mesh.size(m))))
+    names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
+    reductions = [(_reduction_s(graph.tensors[tid], model, m), found) for tid, found in readers.items()
+                  if graph.tensors[tid].is_floating_point()]
+    return _DimProblem(Problem(options, edges, names, reductions), source_rows, saved)
+
+
+def _differentiated(graph: GraphView) -> set[int]:
+    """The trace ids backward reaches: parameters and inputs that require gradients, and every floating output
+    of an op that reads one (the trace ran without gradients, so this follows the dataflow)."""
+    found = {tid for tid, t in graph.tensors.items() if t.requires_grad}
+    for node in graph.nodes:
+        if any(tid in found for tid in node.operand_ids) and getattr(node.fn, "__name__", "") != "detach":
+            found.update(tid for tid in node.output_ids if graph.tensors[tid].is_floating_point())
+    return found
+
+
+def _held(graph: GraphView, mesh: DeviceMesh, m: int, dims: list[_DimProblem], picks: list) -> dict:
+    """The bytes a rank holds per candidate on mesh dim m: each parameter's state (STATE_COPIES copies of its
+    shard) and each op's saved activations, with the other dims' choices where made and each unsolved dim
+    counted as dividing by its size where it can (the least a rank could hold once it is solved)."""
+    others = [d for d in range(mesh.ndim) if d != m]
+    held = {}
+    for v, (_, per_candidate) in dims[m].saved.items():
+        share = 1.0
+        for d in others:
+            one_device, chosen = dims[d].saved[v]
+            if picks[d] is None:
+                share /= mesh.size(d)
+            elif one_device:
+                share *= chosen[picks[d][v]] / one_device
+        held[v] = [b * share for b in per_candidate]
+    for tid, row in dims[m].source_rows.items():
+        if tid not in graph.params:
+            continue
+        value = graph.tensors[tid]
+        whole = STATE_COPIES * value.numel() * value.element_size()
+        for d in others:
+            if picks[d] is None:
+                whole /= mesh.size(d) if any(n % mesh.size(d) == 0 and n >= mesh.size(d) for n in value.shape) else 1
+            else:
+                other_row = dims[d].source_rows[tid]
+                whole /= mesh.size(d) if dims[d].problem.options[other_row][picks[d][other_row]][1][0].is_shard() else 1
+        held[row] = [whole / (mesh.size(m) if o[1][0].is_shard() else 1) for o in dims[m].problem.options[row]]
+    return held
+
+
+def _replicated_candidate(node: OpNode, saved: int) -> Candidate:
     operands = operand_tensors(node)
     return Candidate(tuple(Replicate() for _ in operands), tuple(Replicate() for _ in node.output_ids),
-                     tuple(Replicate() if t.is_floating_point() else None for t in operands), False)
+                     tuple(Replicate() if t.is_floating_point() else None for t in operands), False, saved)
 
 
 def _compute_s(found: NodeOptions, c: Candidate, ranks: int) -> float:

@@ -40,6 +40,7 @@ class Candidate:
     outputs: tuple  # placement of each tensor output
     grads: tuple  # placement of each operand's gradient (None: no gradient)
     divides: bool  # some input is sharded: the compute is split over the dim's ranks
+    saved: int = 0  # bytes a rank holds for backward (autograd's saved tensors, parameters aside)
 
     @property
     def replicated(self) -> bool:
@@ -54,6 +55,7 @@ class NodeOptions:
     flops: int
     nbytes: int
     tried: dict  # input placements -> why they were refused (a collective DTensor needed, or its error)
+    saved: int = 0  # bytes autograd saves for backward when the op runs on one device (parameters aside)
 
 
 def is_inplace(node: OpNode) -> bool:
@@ -113,16 +115,17 @@ class CandidateCache:
         self.mesh = mesh
         self.cache = _FOUND
 
-    def options(self, node: OpNode, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
+    def options(self, node: OpNode, mesh_dim: int, param_operands: frozenset[int],
+                grad_operands: frozenset[int]) -> NodeOptions:
         """Mesh dims of the same size share candidates: they are found on the first of them."""
         size = self.mesh.size(mesh_dim)
         first = next(d for d in range(self.mesh.ndim) if self.mesh.size(d) == size)
         try:
-            key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands)
+            key = (size, node.fn, _key_of(node.args), _key_of(node.kwargs), param_operands, grad_operands)
         except _Uncacheable:
-            return enumerate_candidates(node, *self._one_dim(first), param_operands)
+            return enumerate_candidates(node, *self._one_dim(first), param_operands, grad_operands)
         if key not in self.cache:
-            self.cache[key] = enumerate_candidates(node, *self._one_dim(first), param_operands)
+            self.cache[key] = enumerate_candidates(node, *self._one_dim(first), param_operands, grad_operands)
         return self.cache[key]
 
     def _one_dim(self, mesh_dim: int) -> tuple[DeviceMesh, int]:
@@ -135,23 +138,26 @@ class CandidateCache:
             return self.mesh[names[mesh_dim]], 0
 
 
-def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_operands: frozenset[int]) -> NodeOptions:
+def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_operands: frozenset[int],
+                         grad_operands: frozenset[int]) -> NodeOptions:
     """Run `node` on fake DTensors for every combination of input placements on `mesh_dim` (Replicate on the
-    other dims) and keep those DTensor runs forward and backward without communicating."""
+    other dims) and keep those DTensor runs forward and backward without communicating. Only the operands in
+    `grad_operands` (those the training step differentiates) get gradients: a mask or a rotary table has none,
+    so the partial gradient DTensor would make for it is no cost."""
     size = mesh.size(mesh_dim)
     operands = operand_tensors(node)
     options = [_placements(t, size, k in param_operands) for k, t in enumerate(operands)]
     candidates, tried = [], {}
     with outside_simulated_ranks(), outside_dispatch_modes(), _quiet_fake_kernels(), fake_tensor_mode() as fake:
         fakes = [fake.from_tensor(t) for t in operands]
-        flops, nbytes = _work(node, operands, fakes)
+        flops, nbytes, saved = _work(node, operands, fakes, grad_operands, param_operands)
         for combo in _combinations(options):
-            found = _try(node, mesh, mesh_dim, operands, fakes, combo)
+            found = _try(node, mesh, mesh_dim, operands, fakes, combo, grad_operands, param_operands)
             if isinstance(found, Candidate):
                 candidates.append(found)
             else:
                 tried[combo] = found
-    return NodeOptions(candidates, flops, nbytes, tried)
+    return NodeOptions(candidates, flops, nbytes, tried, saved)
 
 
 def _quiet_fake_kernels():
@@ -159,16 +165,42 @@ def _quiet_fake_kernels():
     return quiet_torch_log("torch._subclasses.fake_tensor", logging.CRITICAL)
 
 
-def _work(node: OpNode, operands, fakes) -> tuple[int, int]:
-    table = {id(t): f for t, f in zip(operands, fakes)}
+class _SavedBytes:
+    """Counts the bytes per rank autograd saves for backward while an op runs (a DTensor by its shard), except
+    the parameters themselves, which a rank holds anyway."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = {id(p) for p in params}
+        self.total = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        if id(t) not in self.params and id(t._base) not in self.params:  # a parameter, or a view of one
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            self.total += local.numel() * local.element_size()
+        return t
+
+
+def _inputs_for_autograd(values: list, grad_operands) -> list:
+    """The operands as the op meets them in training: those backward reaches require gradients (non-leaf
+    copies, so that in-place ops may write to them as they write to activations)."""
+    return [v.requires_grad_().clone() if k in grad_operands and v.is_floating_point() else v
+            for k, v in enumerate(values)]
+
+
+def _work(node: OpNode, operands, fakes, grad_operands, param_operands) -> tuple[int, int, int]:
+    """The op's flops and bytes touched on one device, and the bytes autograd saves for its backward."""
+    inputs = _inputs_for_autograd([f.detach() for f in fakes], grad_operands)
+    table = {id(t): f for t, f in zip(operands, inputs)}
     counter = FlopCounterMode(display=False)
+    saved = _SavedBytes([inputs[k] for k in param_operands])
     try:
-        with counter:
+        with torch.enable_grad(), counter, saved.hooks:
             out = node.fn(*replace_tensors(node.args, table), **replace_tensors(node.kwargs, table))
     except Exception:  # an op fake tensors cannot run is priced by its bytes alone
         out = ()
     touched = sum(t.numel() * t.element_size() for t in [*operands, *tensors_in(out)])
-    return counter.get_total_flops(), touched
+    return counter.get_total_flops(), touched, saved.total
 
 
 def _sharded(mesh: DeviceMesh, mesh_dim: int, placement) -> list:
@@ -182,21 +214,21 @@ def _local_shape(shape, mesh: DeviceMesh, mesh_dim: int, placement) -> list[int]
     return shape
 
 
-def _as_dtensor(fake_global, mesh, mesh_dim, placement, grad: bool):
+def _as_dtensor(fake_global, mesh, mesh_dim, placement):
     local = torch.empty(_local_shape(fake_global.shape, mesh, mesh_dim, placement), dtype=fake_global.dtype)
-    d = DTensor.from_local(local, mesh, _sharded(mesh, mesh_dim, placement), run_check=False,
-                           shape=fake_global.shape, stride=fake_global.stride())
-    return d.requires_grad_() if grad else d
+    return DTensor.from_local(local, mesh, _sharded(mesh, mesh_dim, placement), run_check=False,
+                              shape=fake_global.shape, stride=fake_global.stride())
 
 
-def _try(node: OpNode, mesh, mesh_dim, operands, fakes, combo) -> Candidate | str:
-    grads_wanted = [f.is_floating_point() for f in fakes]
-    dts = [_as_dtensor(f, mesh, mesh_dim, p, g) for f, p, g in zip(fakes, combo, grads_wanted)]
+def _try(node: OpNode, mesh, mesh_dim, operands, fakes, combo, grad_operands, param_operands) -> Candidate | str:
+    dts = [_as_dtensor(f, mesh, mesh_dim, p) for f, p in zip(fakes, combo)]
     try:
         with torch.enable_grad(), CommDebugMode() as comm:
-            # non-leaf copies, so that in-place ops may write to them as they write to activations
-            table = {id(t): d.clone() if d.requires_grad else d for t, d in zip(operands, dts)}
-            out = node.fn(*replace_tensors(node.args, table), **replace_tensors(node.kwargs, table))
+            inputs = _inputs_for_autograd(dts, grad_operands)
+            saved = _SavedBytes([inputs[k] for k in param_operands])
+            with saved.hooks:
+                out = node.fn(*replace_tensors(node.args, dict(zip(map(id, operands), inputs))),
+                              **replace_tensors(node.kwargs, dict(zip(map(id, operands), inputs))))
         if comm.get_total_counts():
             return f"DTensor communicates ({_counts(comm)})"
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
@@ -209,12 +241,12 @@ def _try(node: OpNode, mesh, mesh_dim, operands, fakes, combo) -> Candidate | st
     except Exception as exc:  # DTensor refused these placements (or has no rule): not a candidate
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
     divides = any(p.is_shard() for p in combo) or any(p.is_shard() for p in placements)
-    return Candidate(tuple(combo), placements, grads, divides)
+    return Candidate(tuple(combo), placements, grads, divides, saved.total)
 
 
 def _backward(outs, dts, mesh, mesh_dim):
     pairs = [(o, _as_dtensor(o, mesh, mesh_dim, Replicate() if o.placements[mesh_dim].is_partial()
-                             else o.placements[mesh_dim], False))
+                             else o.placements[mesh_dim]))
              for o in outs if o.requires_grad and o.is_floating_point()]
     wanted = [d for d in dts if d.requires_grad]
     if not pairs or not wanted:

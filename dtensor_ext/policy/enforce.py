@@ -128,7 +128,8 @@ class PlanExecutor:
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
         for o in outs:
             if isinstance(o, DTensor) and o.requires_grad:
-                o.register_hook(_contiguous_gradient)
+                o.register_hook(functools.partial(_planned_gradient, [
+                    Replicate() if p.is_partial() else p for p in o.placements]))
         for o, planned in zip(outs, op.outputs):
             if isinstance(o, DTensor) and list(map(_kind, o.placements)) != list(map(_kind, planned)):
                 self.plan.deviations.append(f"{op.node}: output {tuple(o.placements)}, planned {planned}")
@@ -137,15 +138,21 @@ class PlanExecutor:
 
 
 
-def _contiguous_gradient(grad):
-    """Gradients in a contiguous layout, locally and globally. DTensor's redistribute backward can return a
-    gradient whose global strides (the forward value's, e.g. transposed) disagree with its shard's (contiguous after
-    a collective); a later view's backward then fails in the local kernel."""
+def _planned_gradient(placements: list, grad):
+    """An op output's gradient, summed over its readers, at the placement the plan priced and DTensor's backward
+    of the op was checked with: the output's own (Replicate for a Partial output). Readers that leave a Partial
+    gradient (a column-parallel linear reading a replicated input) are thus reduced once, here, rather than the
+    Partial running on into the producer's backward, where DTensor would redistribute it its own way.
+    The gradient also gets a contiguous layout, locally and globally: DTensor's redistribute backward can return
+    a gradient whose global strides (the forward value's, e.g. transposed) disagree with its shard's (contiguous
+    after a collective); a later view's backward then fails in the local kernel."""
     if not isinstance(grad, DTensor):
         return None
-    local = grad.to_local()
-    if local.is_contiguous() and grad.stride() == _contiguous_strides(grad.shape):
-        return None
+    moved = grad.redistribute(grad.device_mesh, placements) if list(grad.placements) != placements else grad
+    local = moved.to_local()
+    if local.is_contiguous() and moved.stride() == _contiguous_strides(moved.shape):
+        return None if moved is grad else moved
+    grad = moved
     return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements, run_check=False,
                               shape=grad.shape, stride=_contiguous_strides(grad.shape))
 

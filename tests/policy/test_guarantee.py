@@ -11,7 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
+from dtensor_ext._compat import local_tensor_values
 from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, build_plan, get_pas_ops, parallelize
+from dtensor_ext.policy.adapter import STATE_COPIES, _differentiated
+from dtensor_ext.policy.derive import CandidateCache
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_every_rank_matches
 
@@ -235,3 +238,66 @@ def test_memory_budget_makes_the_search_shard_parameters():
     held = sum(4 * 4 * math.prod(plan.graph.model.get_parameter(fqn).shape) / (2 if p[0].is_shard() else 1)
                for fqn, p in plan.params.items())
     assert held <= replicated * 3 // 4
+
+
+class Masked(nn.Module):
+    """A linear plus a mask computed from a buffer: backward never reaches the mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(1, 4, 8))
+
+    def forward(self, x):
+        return self.fc(x) + self.table * 2
+
+
+def test_no_gradient_where_backward_does_not_reach():
+    """The mask's candidates carry no gradient (so the solver prices no reduction of a gradient that never exists:
+    on Gemma2 such phantom gradients of the attention mask and rotary tables kept q and k replicated)."""
+    x = torch.randn(2, 4, 8)
+    with simulated_mesh((2,)) as mesh:
+        plan = build_plan(Masked(), mesh, (x,), constraints=TP_LINEARS)
+        add = next(op.node for op in plan.ops if "torch.add" in op.node.names and len(op.node.operand_ids) == 2)
+        differentiated = _differentiated(plan.graph)
+        assert add.operand_ids[0] in differentiated and add.operand_ids[1] not in differentiated
+        found = CandidateCache(mesh).options(add, 0, frozenset(), frozenset({0}))
+        assert found.candidates and all(c.grads[1] is None and c.grads[0] is not None for c in found.candidates)
+    check_matches_one_device(Masked, (x,), constraints=TP_LINEARS)
+
+
+def test_memory_budget_counts_saved_activations():
+    """A budget between the replicated parameter state and that plus the activations saved for backward: the
+    search must shard activations too, and what a rank holds when the step runs (parameter state plus the saved
+    tensors, measured through autograd's hooks) stays within it."""
+    x = torch.randn(8, 4, 8)
+    state = STATE_COPIES * sum(p.numel() * 4 for p in Pair(F.relu).parameters())
+    model, reference = _copies(lambda: Pair(F.relu))
+    one_device = _saved_bytes(Pair(F.relu), x)[0]
+    budget = state + one_device * 3 // 4
+    with simulated_mesh((2,)) as mesh:
+        parallelize(model, mesh, (x,), memory_budget=budget)
+        held = _saved_bytes(model, x)
+        params = sum(max(v.numel() * 4 for v in (local_tensor_values(p.to_local()) or {0: p.to_local()}).values())
+                     for p in model.parameters())
+        assert STATE_COPIES * params + max(held.values()) <= budget
+        out = model(x)
+        assert_every_rank_matches(out, reference(x))
+    assert one_device > state // 4  # the activations matter in this budget
+
+
+def _saved_bytes(model, x) -> dict:
+    """Bytes each rank holds in the tensors autograd saves for one forward (parameters and their views aside)."""
+    params = {id(p) for p in model.parameters()}
+    held: dict[int, int] = {}
+
+    def pack(t):
+        if id(t) not in params and id(t._base) not in params:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            for rank, value in (local_tensor_values(local) or {0: local}).items():
+                held[rank] = held.get(rank, 0) + value.numel() * value.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum().backward()
+    return held

@@ -107,3 +107,32 @@ def test_moe_models_tensor_parallel_attention(name):
     assert model.policy_plan.params["model.layers.0.self_attn.o_proj.weight"][0].is_shard()
 
 
+
+
+def test_gemma2_tensor_parallel_reduces_each_gradient_once():
+    """Gemma2 (eager attention with soft-capping, a float mask, rotary tables, (1 + w) norms): q and k stay
+    sharded by heads (the mask and tables take no gradient), and the partial gradients the column-parallel linears
+    send back are reduced once at the value they read (not carried into the norms' backward, where DTensor
+    gathered and reduce-scattered them): no gathers but the logits', no reduce-scatters."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=8, sliding_window=16,
+                                       max_position_embeddings=64, use_cache=False)
+    config._attn_implementation = "eager"
+    reference, model = (_seeded(transformers.AutoModelForCausalLM.from_config, config) for _ in range(2))
+    ids, labels = hf_zoo.sample_batch()
+    expected_loss, expected_grads, _ = _step(reference, ids, labels)
+    with simulated_mesh((4,)) as mesh:
+        parallelize(model, mesh, with_labels(ids), constraints=LINEAR_YAML)
+        loss, grads, counts = _step(model, ids, labels)
+        assert_every_rank_matches(loss, expected_loss)
+        for param, grad in grads.items():
+            assert_every_rank_matches(grad.full_tensor(), expected_grads[param])
+    assert counts.get("reduce_scatter_tensor", 0) == 0 and counts.get("all_gather_into_tensor", 0) <= 1, counts
+    attention = [op for op in model.policy_plan.ops if op.node.signature == "torch.matmul"]
+    assert attention and all(op.inputs[0][0].is_shard() for op in attention)  # by heads
+
+
+def _seeded(build, config):
+    torch.manual_seed(0)
+    return build(config).float()
