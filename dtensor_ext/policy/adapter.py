@@ -97,21 +97,50 @@ class Plan:
     cost_s: float = 0.0
     planning_s: float = 0.0
     deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
+    # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
+    styles: dict | None = None
 
     def __str__(self) -> str:
+        from dtensor_ext.policy.styles import proven_styles
+
+        from dtensor_ext.policy.styles import held_placements
+
+        moves = {op.node.index: _moves(self, op) for op in self.ops}
+        full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(held_placements(self, tid))]
+        returned = {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
+                                      (Replicate(),) * self.mesh.ndim) for tid in full}
+        steps = [step for found in moves.values() for _, _, _, _, taken in found for step in taken]
+        steps += [step for taken in returned.values() for step in taken]
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
-                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s"]
+                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s",
+                 f"  forward redistributions: {len(steps)} collectives, "
+                 f"{sum(max(s.recv_bytes) for s in steps):,} B received per rank (the busiest)"]
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
         lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
         lines += [f"    {fqn}: {_fmt(p)}" for fqn, p in sharded.items()]
         lines.append("  ops (those that run sharded or move data):")
         for op in self.ops:
-            if op.local or op.moves or not all(_replicated(p) for p in (*op.inputs, *op.outputs)):
+            found = moves[op.node.index]
+            if op.local or found or not all(_replicated(p) for p in (*op.inputs, *op.outputs)):
                 how = "local, replicated (DTensor has no rule)" if op.local else (
                     f"in {', '.join(_fmt(p) for p in op.inputs)} -> out {', '.join(_fmt(p) for p in op.outputs)}")
                 lines.append(f"    %{op.node.index} {op.node.signature} in {op.node.fqn or '<root>'}: {how}")
-                lines += [f"      {m}" for m in op.moves]
+                for slot, what, held, target, taken in found:
+                    shape = list(self.graph.tensors[op.node.operand_ids[slot]].shape)
+                    lines.append(f"      input {slot} ({what}, {shape}): {_fmt(held)} -> {_fmt(target)}: "
+                                 f"{_steps(taken)}")
+        if returned:
+            lines.append("  outputs (the caller gets full tensors):")
+            for tid, taken in returned.items():
+                producer = self.graph.producer(tid)
+                lines.append(f"    %{producer.index} {list(self.graph.tensors[tid].shape)}: "
+                             f"{_fmt(held_placements(self, tid))} -> {_fmt((Replicate(),) * self.mesh.ndim)}: "
+                             f"{_steps(taken)}")
+        styles = proven_styles(self) if self.styles is None else self.styles
+        note = ", proven, applied by parallelize" if self.styles is None else ""
+        lines.append(f"  ParallelStyles ({len(styles)} modules{note}){':' if styles else ''}")
+        lines += [f"    {fqn}: {choice}" for fqn, choice in styles.items()]
         if self.recompute_groups:
             lines.append("  recompute groups:")
             lines += [f"    {rid}: {', '.join(fqn or '<root>' for fqn in fqns)}"
@@ -140,6 +169,41 @@ class Plan:
         from torch.distributed.pipelining import SplitPoint
 
         return {fqn: SplitPoint.BEGINNING for stage, fqn in sorted(self.stage_starts.items()) if fqn}
+
+
+def _moves(plan: Plan, op: OpChoice) -> list[tuple]:
+    """Each input of ``op`` that moves: (slot, its producer, placements held, placements read, the collectives
+    DTensor runs for the move, as its own redistribution planner plans them)."""
+    from dtensor_ext.policy.styles import held_placements
+
+    found = []
+    for slot, tid in enumerate(op.node.operand_ids):
+        held = held_placements(plan, tid)
+        if held != op.inputs[slot]:
+            producer = plan.graph.producer(tid)
+            what = f"%{producer.index}" if producer is not None else plan.graph.params.get(tid, "input")
+            found.append((slot, what, held, op.inputs[slot],
+                          _collectives(plan.mesh, plan.graph.tensors[tid], held, op.inputs[slot])))
+    return found
+
+
+def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple) -> list:
+    """The collectives DTensor runs to move ``value`` from ``src`` to ``dst``, each with the bytes every rank
+    receives (the package's reading of torch's redistribution plan, ``redistribute.dtensor_plan``)."""
+    from dtensor_ext import _compat
+    from dtensor_ext.redistribute.dtensor_plan import dtensor_steps
+    from dtensor_ext.redistribute.steps import StepBuilder
+
+    meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
+    transforms = _compat.redistribution_transforms(_compat.DTensorSpec(mesh, src, tensor_meta=meta),
+                                                   _compat.DTensorSpec(mesh, dst, tensor_meta=meta))
+    builder = StepBuilder(tuple(value.shape), tuple(mesh.shape), value.dtype, IdealCostModel().bind(mesh.shape))
+    steps = dtensor_steps(builder, src, transforms, _compat.shard_to_shard_gathers(mesh))
+    return [step for step in steps if step.kind != "local"]
+
+
+def _steps(taken: list) -> str:
+    return ", ".join(f"{s.kind} {max(s.recv_bytes):,} B" for s in taken) or "no collective (a local cut)"
 
 
 def _replicated(placements: tuple) -> bool:
@@ -535,15 +599,20 @@ def parallelize(
     memory_budget: int | None = None,
     warn_unused: bool = False,
     plan: Plan | None = None,
+    styles: bool = True,
 ) -> torch.nn.Module:
     """Build the plan (unless given) and apply it in place: parameters distributed as solved, every op run on
-    DTensors moved to the solved placements, hooks, recompute. Returns the module, whose outputs are full
-    (replicated) tensors; the applied plan is ``model.policy_plan``."""
+    DTensors moved to the solved placements, hooks, recompute. Where a torch ParallelStyle provably does what the
+    plan says for a module, torch's ``parallelize_module`` applies it instead (``styles=False``: never). Returns
+    the module, whose outputs are full (replicated) tensors; the applied plan is ``model.policy_plan``."""
     from dtensor_ext.policy.enforce import PlanExecutor
+    from dtensor_ext.policy.styles import apply_styles, proven_styles
 
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
                           cost_model=cost_model, memory_budget=memory_budget, warn_unused=warn_unused)
+    plan.styles = proven_styles(plan) if styles else {}
+    apply_styles(model, plan, plan.styles)
     PlanExecutor(plan).install(model)
     for fqn, pre, post in plan.hooks:
         module = model.get_submodule(fqn)

@@ -1,0 +1,114 @@
+"""torch ParallelStyles where the solved plan provably coincides with them (policy.styles), and nowhere else."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from dtensor_ext.models import MLP, TinyLlama, policy_text
+from dtensor_ext.policy import build_plan
+from dtensor_ext.policy.styles import proven_styles
+from dtensor_ext.testing import simulated_mesh
+from tests.policy.test_guarantee import TP_LINEARS, check_matches_one_device
+
+LLAMA_TP_YAML = policy_text("llama_tp_sp")
+
+
+def test_llama_linears_run_as_torch_styles_with_the_planned_placements():
+    plan = check_matches_one_device(TinyLlama, (torch.randint(0, 32, (2, 8)),), mesh_shape=(4,),
+                                    constraints=LLAMA_TP_YAML)
+    kinds = {fqn.split(".", 2)[-1]: type(c.style) for fqn, c in plan.styles.items() if fqn.startswith("layers.0.")}
+    assert kinds == {"attention.wq": ColwiseParallel, "attention.wk": ColwiseParallel,
+                     "attention.wv": ColwiseParallel, "attention.wo": RowwiseParallel,
+                     "feed_forward.w1": ColwiseParallel, "feed_forward.w3": ColwiseParallel,
+                     "feed_forward.w2": RowwiseParallel}
+    wo = plan.styles["layers.0.attention.wo"]
+    # the row-parallel linear's Partial output is read replicated by the residual add: the style reduces it
+    wo_op = plan.ops[wo.ops[0]]
+    assert wo_op.outputs == ((Partial(),),) and wo.style.output_layouts == (Replicate(),)
+    assert wo.style.use_local_output is False
+    assert plan.styles["layers.0.attention.wq"].style.output_layouts == (Shard(2),)
+    # the lm head reads its input replicated with its weight split on dim 1: no torch style does that
+    assert plan.ops[-1].node.fqn == "output" and plan.ops[-1].inputs[0] == (Replicate(),)
+    assert "output" not in plan.styles
+    assert not plan.deviations  # the styles' hooks are not mistaken for unplanned ops
+
+
+def test_styles_off_gives_the_same_plan_run_op_by_op():
+    plan = check_matches_one_device(TinyLlama, (torch.randint(0, 32, (2, 8)),), mesh_shape=(4,),
+                                    constraints=LLAMA_TP_YAML, styles=False)
+    assert plan.styles == {} and not plan.deviations
+    assert "  ParallelStyles (0 modules)" in str(plan).splitlines()
+
+
+class NormBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+NORM_ON_TOKENS = """\
+- name: torch.nn.functional.layer_norm
+  allowed_partition_dims: ["0,1"]
+  replica_allowed: false
+"""
+
+
+def test_a_norm_run_on_token_shards_is_sequence_parallel():
+    plan = check_matches_one_device(NormBetween, (torch.randn(2, 4, 8),), constraints=NORM_ON_TOKENS)
+    norm = plan.styles["norm"]
+    assert isinstance(norm.style, SequenceParallel) and norm.style.sequence_sharding == (Shard(1),)
+    assert plan.ops[norm.ops[0]].inputs[0] == (Shard(1),)
+    assert plan.params["norm.weight"] == (Replicate(),)
+    assert not plan.deviations
+
+
+class Shared(nn.Module):
+    """fc2's weight is fc1's, and fc3 runs twice: a style would distribute them on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8, bias=False)
+        self.fc2 = nn.Linear(8, 8, bias=False)
+        self.fc2.weight = self.fc1.weight
+        self.fc3 = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc3(self.fc2(torch.relu(self.fc1(x))))))
+
+
+def test_no_style_for_shared_weights_or_modules_run_twice():
+    plan = check_matches_one_device(Shared, (torch.randn(4, 8),), constraints=TP_LINEARS)
+    assert any(not p.is_replicate() for placements in plan.params.values() for p in placements)
+    assert not {"fc1", "fc2", "fc3"} & set(plan.styles)
+
+
+def test_no_style_on_a_2d_mesh():
+    """torch's styles place tensors on a 1-D mesh; the plan's tensors live on the whole mesh."""
+    torch.manual_seed(0)
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+        plan = build_plan(MLP(), mesh, (torch.randn(3, 4, 8),), constraints=TP_LINEARS)
+    assert any(p.is_shard() for op in plan.ops for placements in op.inputs for p in placements)
+    assert proven_styles(plan) == {}
+
+
+def test_style_parameters_are_distributed_by_torch():
+    """The styled linears' weights are the DTensors torch's parallelize_module made, at the solved placements."""
+    torch.manual_seed(0)
+    model, tokens = MLP(), torch.randn(3, 4, 8)
+    with simulated_mesh((2,)) as mesh:
+        plan = build_plan(model, mesh, (tokens,), constraints=TP_LINEARS)
+        from dtensor_ext.policy import parallelize
+
+        parallelize(model, mesh, (tokens,), plan=plan)
+    assert set(plan.styles) == {"up", "down"}
+    for fqn in plan.styles:
+        weight = model.get_submodule(fqn).weight
+        assert isinstance(weight, DTensor) and tuple(weight.placements) == plan.params[f"{fqn}.weight"]
