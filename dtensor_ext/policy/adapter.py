@@ -154,15 +154,16 @@ class Plan:
         return "\n".join(lines)
 
     def to_yaml(self) -> str:
-        """The solved plan as YAML: one entry per op and per parameter with its placements, readable and
-        loadable with ``load_plan_placements`` to compare or pin."""
+        """The solved plan as YAML: the mesh, the modelled step time, each parameter's and each op's placements;
+        ``policy.load_plan`` reads it back (pinned: the same plan, applied with ``parallelize(plan=...)``)."""
         import yaml
 
         ops = [{"op": op.node.index, "name": op.node.signature, "module": op.node.fqn,
                 "inputs": [_fmt(p) for p in op.inputs], "outputs": [_fmt(p) for p in op.outputs],
                 **({"local": True} if op.local else {})} for op in self.ops]
         params = {fqn: _fmt(p) for fqn, p in self.params.items()}
-        return yaml.safe_dump({"mesh": list(self.mesh.shape), "parameters": params, "ops": ops}, sort_keys=False)
+        return yaml.safe_dump({"mesh": list(self.mesh.shape), "modelled_us": self.cost_s * 1e6, "parameters": params,
+                               "ops": ops}, sort_keys=False)
 
     def split_spec(self) -> dict:
         """Stage boundaries as ``torch.distributed.pipelining.pipeline(..., split_spec=...)`` expects them."""
