@@ -105,7 +105,7 @@ class Plan:
 
         from dtensor_ext.policy.styles import held_placements
 
-        moves = {op.node.index: _moves(self, op) for op in self.ops}
+        moves = _moves(self)
         full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(held_placements(self, tid))]
         returned = {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
                                       (Replicate(),) * self.mesh.ndim) for tid in full}
@@ -129,14 +129,14 @@ class Plan:
                 for slot, what, held, target, taken in found:
                     shape = list(self.graph.tensors[op.node.operand_ids[slot]].shape)
                     lines.append(f"      input {slot} ({what}, {shape}): {_fmt(held)} -> {_fmt(target)}: "
-                                 f"{_steps(taken)}")
+                                 f"{_steps(taken, held)}")
         if returned:
             lines.append("  outputs (the caller gets full tensors):")
             for tid, taken in returned.items():
                 producer = self.graph.producer(tid)
                 lines.append(f"    %{producer.index} {list(self.graph.tensors[tid].shape)}: "
                              f"{_fmt(held_placements(self, tid))} -> {_fmt((Replicate(),) * self.mesh.ndim)}: "
-                             f"{_steps(taken)}")
+                             f"{_steps(taken, held_placements(self, tid))}")
         styles = proven_styles(self) if self.styles is None else self.styles
         note = ", proven, applied by parallelize" if self.styles is None else ""
         lines.append(f"  ParallelStyles ({len(styles)} modules{note}){':' if styles else ''}")
@@ -172,19 +172,31 @@ class Plan:
         return {fqn: SplitPoint.BEGINNING for stage, fqn in sorted(self.stage_starts.items()) if fqn}
 
 
-def _moves(plan: Plan, op: OpChoice) -> list[tuple]:
-    """Each input of ``op`` that moves: (slot, its producer, placements held, placements read, the collectives
-    DTensor runs for the move, as its own redistribution planner plans them)."""
+def _moves(plan: Plan) -> dict[int, list[tuple]]:
+    """Per op, each input that moves: (slot, its producer, placements held, placements read, the collectives
+    DTensor runs for the move, as its own redistribution planner plans them). As the executor does, a Partial
+    value read by several ops is reduced once: later readers move from the first reader's placements."""
     from dtensor_ext.policy.styles import held_placements
 
-    found = []
-    for slot, tid in enumerate(op.node.operand_ids):
-        held = held_placements(plan, tid)
-        if held != op.inputs[slot]:
+    found, reduced = {}, {}
+    for op in plan.ops:
+        found[op.node.index] = []
+        for slot, tid in enumerate(op.node.operand_ids):
+            held = held_placements(plan, tid)
+            target = op.inputs[slot]
+            if held == target:
+                continue
+            partial = any(p.is_partial() for p in held)
+            if partial and tid in reduced:
+                source = reduced[tid]  # a later reader starts from the first reader's reduction
+            else:
+                source = held
+                if partial:
+                    reduced[tid] = target
             producer = plan.graph.producer(tid)
             what = f"%{producer.index}" if producer is not None else plan.graph.params.get(tid, "input")
-            found.append((slot, what, held, op.inputs[slot],
-                          _collectives(plan.mesh, plan.graph.tensors[tid], held, op.inputs[slot])))
+            taken = [] if source == target else _collectives(plan.mesh, plan.graph.tensors[tid], source, target)
+            found[op.node.index].append((slot, what, held, target, taken))
     return found
 
 
@@ -203,8 +215,12 @@ def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple) 
     return [step for step in steps if step.kind != "local"]
 
 
-def _steps(taken: list) -> str:
-    return ", ".join(f"{s.kind} {max(s.recv_bytes):,} B" for s in taken) or "no collective (a local cut)"
+def _steps(taken: list, held: tuple) -> str:
+    if taken:
+        return ", ".join(f"{s.kind} {max(s.recv_bytes):,} B" for s in taken)
+    if any(p.is_partial() for p in held):
+        return "no collective (an earlier reader reduced it)"
+    return "no collective (a local cut)"
 
 
 def _replicated(placements: tuple) -> bool:

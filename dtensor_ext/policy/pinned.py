@@ -89,9 +89,9 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
     if not isinstance(modelled, (int, float)) or isinstance(modelled, bool):
         raise PolicyError(origin, "modelled_us", modelled, "a number (the plan's modelled step time)")
     plan = Plan(mesh, graph, choices, pinned, {}, {}, [], modelled * 1e-6)
-    for op in choices:
+    for op, found in zip(choices, _moves(plan).values()):
         op.moves = [f"input {slot} ({what}, {list(graph.tensors[op.node.operand_ids[slot]].shape)}): "
-                    f"{_fmt(held)} -> {_fmt(target)}" for slot, what, held, target, _ in _moves(plan, op)]
+                    f"{_fmt(held)} -> {_fmt(target)}" for slot, what, held, target, _ in found]
     plan.planning_s = time.perf_counter() - start
     return plan
 

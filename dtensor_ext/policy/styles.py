@@ -13,10 +13,12 @@ module gets a style only when a mechanical comparison proves it, never by its na
 - the placement the style redistributes the input to is the one every op of the module reads it at, and what
   arrives is what the plan holds there (a producer's output placement; a plain model input is Replicate). A
   Partial input must have no reader outside the module (the executor reduces a Partial value once for all readers);
-- the module hands on one tensor, the last op's output: at the solved placement, or, where that is Partial, at the
-  one placement every reader outside the module (and the caller, who gets full tensors) reads it at, so the style's
-  output hook makes the reduction the readers' moves would have made; ``use_local_output`` is False, since the
-  executor reads DTensors (a plain tensor would read as Replicate).
+- the module hands on one tensor, the last op's output, and the style leaves it at the solved placement (its
+  ``output_layouts`` is that placement: the readers' moves stay the executor's, which reduces a Partial value once
+  for all of them). A Partial with run-time state (an embedding's masked Partial) compares unequal to any
+  planned placement there, so its hook would redistribute: such a module gets no Colwise/Rowwise style.
+  ``use_local_output`` is False, since the executor reads DTensors (a plain tensor would read
+  as Replicate).
 
 torch's styles place tensors on a 1-D mesh, and the plan's tensors live on the whole mesh: on an N-D mesh no
 module gets a style.
@@ -28,7 +30,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -131,15 +133,13 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict) -> StyleC
     if not reads or any(r != reads[0] for r in reads):
         return None
     arrives = held_placements(plan, x)
-    outside = _readers_outside(plan, x, span)
-    if any(p.is_partial() for p in arrives) and outside:
+    if any(p.is_partial() for p in arrives) and _readers_outside(plan, x, span):
         return None
     handed = [tid for tid in made_inside if _readers_outside(plan, tid, span)]
     last_outputs = graph.nodes[last].output_ids
     if handed != [last_outputs[0]] or len(last_outputs) != 1:
         return None
     solved_out = held_placements(plan, last_outputs[0])[0]
-    folded = _handed_on(plan, last_outputs[0], span)
     ndim = graph.tensors[x].ndim
     for style in _candidates(reads[0][0], plain_input=graph.producer(x) is None):
         probed = _probe(style, module, plan.mesh, probes)
@@ -152,13 +152,14 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict) -> StyleC
             continue
         if isinstance(style, SequenceParallel):  # it leaves the output as DTensor computed it
             return StyleChoice(fqn, style, (first, last), arrives[0], reads[0][0], solved_out)
-        if folded is None:
-            continue
-        # the hook redistributes exactly when its two layouts differ: name what arrives the way the style names
-        # what it wants when the two are the same placement
+        if solved_out.is_partial() and type(solved_out) is not Partial:
+            continue  # a Partial with run-time state (a mask) never compares equal in the output hook
+        # the input hook redistributes exactly when its two layouts differ: name what arrives the way the style
+        # names what it wants when the two are the same placement. The output hook leaves the output where the
+        # plan has it (the readers' moves stay the executor's, a Partial value reduced once for all of them)
         arriving = desired if _normal(arrives[0], ndim) == _normal(desired, ndim) else arrives[0]
-        return StyleChoice(fqn, type(style)(input_layouts=arriving, output_layouts=folded[0], use_local_output=False),
-                           (first, last), arrives[0], reads[0][0], folded[0])
+        return StyleChoice(fqn, type(style)(input_layouts=arriving, output_layouts=solved_out, use_local_output=False),
+                           (first, last), arrives[0], reads[0][0], solved_out)
     return None
 
 
@@ -192,19 +193,6 @@ def _readers_outside(plan, tid: int, span: range) -> list[tuple]:
     if tid in plan.graph.outputs:
         reads.append((Replicate(),) * plan.mesh.ndim)
     return reads
-
-
-def _handed_on(plan, tid: int, span: range) -> tuple | None:
-    """The placement the module's output leaves it at: the solved one, or for a Partial value the one placement
-    all its outside readers agree on (None where they disagree)."""
-    solved = held_placements(plan, tid)
-    if not any(p.is_partial() for p in solved):
-        return solved
-    reads = set(_readers_outside(plan, tid, span))
-    if len(reads) != 1:
-        return None
-    (read,) = reads
-    return None if any(p.is_partial() for p in read) else read
 
 
 def _probe(style: ParallelStyle, module: torch.nn.Module, mesh, probes: dict) -> tuple[dict, object] | None:

@@ -25,9 +25,9 @@ def test_llama_linears_run_as_torch_styles_with_the_planned_placements():
                      "feed_forward.w1": ColwiseParallel, "feed_forward.w3": ColwiseParallel,
                      "feed_forward.w2": RowwiseParallel}
     wo = plan.styles["layers.0.attention.wo"]
-    # the row-parallel linear's Partial output is read replicated by the residual add: the style reduces it
-    wo_op = plan.ops[wo.ops[0]]
-    assert wo_op.outputs == ((Partial(),),) and wo.style.output_layouts == (Replicate(),)
+    # the row-parallel linear hands on its Partial output as planned: the residual add's move reduces it
+    assert plan.ops[wo.ops[0]].outputs == ((Partial(),),) and wo.style.output_layouts == (Partial(),)
+    assert wo.style.input_layouts == wo.style.desired_input_layouts == (Shard(-1),)
     assert wo.style.use_local_output is False
     assert plan.styles["layers.0.attention.wq"].style.output_layouts == (Shard(2),)
     # the lm head reads its input replicated with its weight split on dim 1: no torch style does that
@@ -68,6 +68,35 @@ def test_a_norm_run_on_token_shards_is_sequence_parallel():
     assert plan.ops[norm.ops[0]].inputs[0] == (Shard(1),)
     assert plan.params["norm.weight"] == (Replicate(),)
     assert not plan.deviations
+
+
+class Vocab(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.proj(h) + h
+
+
+def test_no_style_for_a_vocab_sharded_embedding_whose_masked_partial_the_hook_would_move():
+    """The embedding's Partial output is masked (rows a rank does not hold are zero): torch's Rowwise output hook
+    compares it with any planned placement as different and would redistribute it, so the embedding runs op by op,
+    its output reduced once for its two readers. A budget of 3/4 of the replicated parameter state makes the solve
+    keep the table sharded (else it cuts it at the op)."""
+    budget = 3 * 4 * sum(p.numel() * 4 for p in Vocab().parameters()) // 4
+    plan = check_matches_one_device(Vocab, (torch.randint(0, 32, (2, 5)),), memory_budget=budget, constraints="""\
+- name: torch.nn.functional.embedding
+  allowed_partition_dims: ["1,0"]
+  replica_allowed: false
+""")
+    assert plan.params["embed.weight"] == (Shard(0),) and plan.ops[0].outputs[0][0].is_partial()
+    assert "embed" not in plan.styles and not plan.deviations
+    printed = str(plan).splitlines()
+    assert printed.count("      input 0 (%0, [2, 5, 8]): (P) -> (R): all_reduce 320 B") == 1
+    assert printed.count("      input 1 (%0, [2, 5, 8]): (P) -> (R): no collective (an earlier reader reduced it)") == 1
 
 
 class Shared(nn.Module):
