@@ -5,7 +5,7 @@ module's parameters and its hooks move the module's input and output, and the ex
 run on the DTensors the hooks prepared. That is only right where the style does exactly what the plan says, so a
 module gets a style only when a mechanical comparison proves it, never by its name or class:
 
-- the module is a leaf that ran once, its ops are one contiguous run of the trace, they read nothing but the
+- the module is a leaf that ran once, so its ops are one contiguous run of the trace; they read nothing but the
   module's one tensor input, its own parameters (not shared with any other module, read by no other op) and each
   other's outputs, DTensor runs all of them, and none of their inputs moves inside the module;
 - every parameter gets from the style the placements the plan solved for it: the style is applied to a stand-in of
@@ -96,8 +96,8 @@ def _short(p) -> str:
 def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict) -> StyleChoice | None:
     graph = plan.graph
     first, last = call.first_op, call.last_op
-    if first < 0 or any(fqn not in graph.nodes[k].module_fqn_chain for k in range(first, last + 1)):
-        return None  # no ops, or not one contiguous run (the module ran more than once)
+    if call.count != 1 or first < 0:
+        return None  # a style's hooks run at every call: only a module that ran once, and ran ops, is proven
     span = range(first, last + 1)
     module = call.module
     params = {f"{fqn}.{name}": p for name, p in module._parameters.items() if p is not None}

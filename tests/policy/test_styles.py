@@ -104,8 +104,22 @@ def test_no_style_for_a_vocab_sharded_embedding_whose_masked_partial_the_hook_wo
     assert printed.count("      input 1 (%0, [2, 5, 8]): (P) -> (R): no collective (an earlier reader reduced it)") == 1
 
 
+class NormTwice(NormBetween):
+    def forward(self, x):
+        return self.fc2(self.norm(self.norm(self.fc1(x))))
+
+
+def test_no_style_for_a_module_that_runs_twice():
+    """Its hooks would run at both calls; only the first call's input was compared with the plan."""
+    plan = check_matches_one_device(NormTwice, (torch.randn(2, 4, 8),), constraints=NORM_ON_TOKENS)
+    norms = [op for op in plan.ops if op.node.fqn == "norm"]
+    assert len(norms) == 2 and all(op.inputs[0] == (Shard(1),) for op in norms)
+    assert "norm" not in plan.styles
+
+
 class Shared(nn.Module):
-    """fc2's weight is fc1's, and fc3 runs twice: a style would distribute them on its own."""
+    """fc2's weight is fc1's, and fc3 runs twice in a row: a style would distribute the shared weight on its own,
+    and run its hooks at both calls."""
 
     def __init__(self):
         super().__init__()
@@ -115,7 +129,7 @@ class Shared(nn.Module):
         self.fc3 = nn.Linear(8, 8, bias=False)
 
     def forward(self, x):
-        return self.fc3(torch.relu(self.fc3(self.fc2(torch.relu(self.fc1(x))))))
+        return self.fc3(self.fc3(self.fc2(torch.relu(self.fc1(x)))))
 
 
 def test_no_style_for_shared_weights_or_modules_run_twice():
