@@ -21,7 +21,8 @@ module gets a style only when a mechanical comparison proves it, never by its na
   as Replicate).
 
 torch's styles place tensors on a 1-D mesh, and the plan's tensors live on the whole mesh: on an N-D mesh no
-module gets a style.
+module gets a style. SequenceParallel wraps each rank's own parameter values as replicated, where the op-level path
+sends rank 0's: the two agree where every rank builds the model alike (torch's style assumes so).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from dtensor_ext.models import MLP, TinyLlama, policy_text
-from dtensor_ext.policy import build_plan
+from dtensor_ext.policy import build_plan, parallelize
 from dtensor_ext.policy.styles import proven_styles
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.test_guarantee import TP_LINEARS, check_matches_one_device
@@ -152,8 +152,6 @@ def test_style_parameters_are_distributed_by_torch():
     model, tokens = MLP(), torch.randn(3, 4, 8)
     with simulated_mesh((2,)) as mesh:
         plan = build_plan(model, mesh, (tokens,), constraints=TP_LINEARS)
-        from dtensor_ext.policy import parallelize
-
         parallelize(model, mesh, (tokens,), plan=plan)
     assert set(plan.styles) == {"up", "down"}
     for fqn in plan.styles:
