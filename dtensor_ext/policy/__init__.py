@@ -2,7 +2,8 @@
 
 ``build_plan`` traces the model once, takes each op's candidate placements from DTensor's own sharding propagation,
 filters them by the constraints and picks the cheapest plan exactly (HiGHS); it returns a printable Plan.
-``parallelize`` applies it: parameters distributed as solved, activations run as DTensors at the solved placements.
+``parallelize`` applies it: parameters distributed as solved, activations run as DTensors at the solved placements
+(torch's ParallelStyles run the modules where they provably do the same). ``load_plan`` reads ``plan.to_yaml()`` back.
 Every malformed input and every constraint no plan meets raises PolicyError (a ValueError).
 """
 
@@ -10,6 +11,7 @@ from dtensor_ext.policy.adapter import Plan, PolicyConfig, build_plan, paralleli
 from dtensor_ext.policy.constraints import Constraint, load_constraints
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode
+from dtensor_ext.policy.pinned import load_plan
 from dtensor_ext.policy.opplan import (
     OpPartition,
     OpPlan,
@@ -20,6 +22,6 @@ from dtensor_ext.policy.opplan import (
 
 __all__ = [
     "Constraint", "GraphView", "OpNode", "OpPartition", "OpPlan", "Plan", "PolicyConfig", "PolicyError",
-    "build_plan", "get_called_self_module_name", "get_layer_index", "get_pas_ops", "load_constraints",
+    "build_plan", "get_called_self_module_name", "get_layer_index", "get_pas_ops", "load_constraints", "load_plan",
     "parallelize",
 ]

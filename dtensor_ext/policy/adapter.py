@@ -98,21 +98,50 @@ class Plan:
     cost_s: float = 0.0
     planning_s: float = 0.0
     deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
+    # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
+    styles: dict | None = None
 
     def __str__(self) -> str:
+        from dtensor_ext.policy.styles import proven_styles
+
+        from dtensor_ext.policy.styles import held_placements
+
+        moves = _moves(self)
+        full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(held_placements(self, tid))]
+        returned = {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
+                                      (Replicate(),) * self.mesh.ndim) for tid in full}
+        steps = [step for found in moves.values() for _, _, _, _, taken in found for step in taken]
+        steps += [step for taken in returned.values() for step in taken]
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
-                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s"]
+                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s",
+                 f"  forward redistributions: {len(steps)} collectives, "
+                 f"{sum(max(s.recv_bytes) for s in steps):,} B received per rank (the busiest)"]
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
         lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
         lines += [f"    {fqn}: {_fmt(p)}" for fqn, p in sharded.items()]
         lines.append("  ops (those that run sharded or move data):")
         for op in self.ops:
-            if op.local or op.moves or not all(_replicated(p) for p in (*op.inputs, *op.outputs)):
+            found = moves[op.node.index]
+            if op.local or found or not all(_replicated(p) for p in (*op.inputs, *op.outputs)):
                 how = "local, replicated (DTensor has no rule)" if op.local else (
                     f"in {', '.join(_fmt(p) for p in op.inputs)} -> out {', '.join(_fmt(p) for p in op.outputs)}")
                 lines.append(f"    %{op.node.index} {op.node.signature} in {op.node.fqn or '<root>'}: {how}")
-                lines += [f"      {m}" for m in op.moves]
+                for slot, what, held, target, taken in found:
+                    shape = list(self.graph.tensors[op.node.operand_ids[slot]].shape)
+                    lines.append(f"      input {slot} ({what}, {shape}): {_fmt(held)} -> {_fmt(target)}: "
+                                 f"{_steps(taken, held)}")
+        if returned:
+            lines.append("  outputs (the caller gets full tensors):")
+            for tid, taken in returned.items():
+                producer = self.graph.producer(tid)
+                lines.append(f"    %{producer.index} {list(self.graph.tensors[tid].shape)}: "
+                             f"{_fmt(held_placements(self, tid))} -> {_fmt((Replicate(),) * self.mesh.ndim)}: "
+                             f"{_steps(taken, held_placements(self, tid))}")
+        styles = proven_styles(self) if self.styles is None else self.styles
+        note = ", proven, applied by parallelize" if self.styles is None else ""
+        lines.append(f"  ParallelStyles ({len(styles)} modules{note}){':' if styles else ''}")
+        lines += [f"    {fqn}: {choice}" for fqn, choice in styles.items()]
         if self.recompute_groups:
             lines.append("  recompute groups:")
             lines += [f"    {rid}: {', '.join(fqn or '<root>' for fqn in fqns)}"
@@ -126,21 +155,73 @@ class Plan:
         return "\n".join(lines)
 
     def to_yaml(self) -> str:
-        """The solved plan as YAML: one entry per op and per parameter with its placements, readable and
-        loadable with ``load_plan_placements`` to compare or pin."""
+        """The solved plan as YAML: the mesh, the modelled step time, each parameter's and each op's placements;
+        ``policy.load_plan`` reads it back (pinned: the same plan, applied with ``parallelize(plan=...)``)."""
         import yaml
 
         ops = [{"op": op.node.index, "name": op.node.signature, "module": op.node.fqn,
                 "inputs": [_fmt(p) for p in op.inputs], "outputs": [_fmt(p) for p in op.outputs],
                 **({"local": True} if op.local else {})} for op in self.ops]
         params = {fqn: _fmt(p) for fqn, p in self.params.items()}
-        return yaml.safe_dump({"mesh": list(self.mesh.shape), "parameters": params, "ops": ops}, sort_keys=False)
+        return yaml.safe_dump({"mesh": list(self.mesh.shape), "modelled_us": self.cost_s * 1e6, "parameters": params,
+                               "ops": ops}, sort_keys=False)
 
     def split_spec(self) -> dict:
         """Stage boundaries as ``torch.distributed.pipelining.pipeline(..., split_spec=...)`` expects them."""
         from torch.distributed.pipelining import SplitPoint
 
         return {fqn: SplitPoint.BEGINNING for stage, fqn in sorted(self.stage_starts.items()) if fqn}
+
+
+def _moves(plan: Plan) -> dict[int, list[tuple]]:
+    """Per op, each input that moves: (slot, its producer, placements held, placements read, the collectives
+    DTensor runs for the move, as its own redistribution planner plans them). As the executor does, a Partial
+    value read by several ops is reduced once: later readers move from the first reader's placements."""
+    from dtensor_ext.policy.styles import held_placements
+
+    found, reduced = {}, {}
+    for op in plan.ops:
+        found[op.node.index] = []
+        for slot, tid in enumerate(op.node.operand_ids):
+            held = held_placements(plan, tid)
+            target = op.inputs[slot]
+            if held == target:
+                continue
+            partial = any(p.is_partial() for p in held)
+            if partial and tid in reduced:
+                source = reduced[tid]  # a later reader starts from the first reader's reduction
+            else:
+                source = held
+                if partial:
+                    reduced[tid] = target
+            producer = plan.graph.producer(tid)
+            what = f"%{producer.index}" if producer is not None else plan.graph.params.get(tid, "input")
+            taken = [] if source == target else _collectives(plan.mesh, plan.graph.tensors[tid], source, target)
+            found[op.node.index].append((slot, what, held, target, taken))
+    return found
+
+
+def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple) -> list:
+    """The collectives DTensor runs to move ``value`` from ``src`` to ``dst``, each with the bytes every rank
+    receives (the package's reading of torch's redistribution plan, ``redistribute.dtensor_plan``)."""
+    from dtensor_ext import _compat
+    from dtensor_ext.redistribute.dtensor_plan import dtensor_steps
+    from dtensor_ext.redistribute.steps import StepBuilder
+
+    meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
+    transforms = _compat.redistribution_transforms(_compat.DTensorSpec(mesh, src, tensor_meta=meta),
+                                                   _compat.DTensorSpec(mesh, dst, tensor_meta=meta))
+    builder = StepBuilder(tuple(value.shape), tuple(mesh.shape), value.dtype, IdealCostModel().bind(mesh.shape))
+    steps = dtensor_steps(builder, src, transforms, _compat.shard_to_shard_gathers(mesh))
+    return [step for step in steps if step.kind != "local"]
+
+
+def _steps(taken: list, held: tuple) -> str:
+    if taken:
+        return ", ".join(f"{s.kind} {max(s.recv_bytes):,} B" for s in taken)
+    if any(p.is_partial() for p in held):
+        return "no collective (an earlier reader reduced it)"
+    return "no collective (a local cut)"
 
 
 def _replicated(placements: tuple) -> bool:
@@ -617,15 +698,20 @@ def parallelize(
     memory_budget: int | None = None,
     warn_unused: bool = False,
     plan: Plan | None = None,
+    styles: bool = True,
 ) -> torch.nn.Module:
     """Build the plan (unless given) and apply it in place: parameters distributed as solved, every op run on
-    DTensors moved to the solved placements, hooks, recompute. Returns the module, whose outputs are full
-    (replicated) tensors; the applied plan is ``model.policy_plan``."""
+    DTensors moved to the solved placements, hooks, recompute. Where a torch ParallelStyle provably does what the
+    plan says for a module, torch's ``parallelize_module`` applies it instead (``styles=False``: never). Returns
+    the module, whose outputs are full (replicated) tensors; the applied plan is ``model.policy_plan``."""
     from dtensor_ext.policy.enforce import PlanExecutor
+    from dtensor_ext.policy.styles import apply_styles, proven_styles
 
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
                           cost_model=cost_model, memory_budget=memory_budget, warn_unused=warn_unused)
+    plan.styles = proven_styles(plan) if styles else {}
+    apply_styles(model, plan, plan.styles)
     PlanExecutor(plan).install(model)
     for fqn, pre, post in plan.hooks:
         module = model.get_submodule(fqn)

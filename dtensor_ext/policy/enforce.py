@@ -45,6 +45,9 @@ class PlanExecutor:
         self.position = 0
         self.running = False
         self.reduced: dict[int, tuple[DTensor, DTensor]] = {}  # id(partial value) -> (it, its first reduction)
+        # ops of modules a ParallelStyle runs: its hooks prepared their inputs as planned (policy.styles)
+        self.styled = {k for c in (plan.styles or {}).values() for k in range(c.ops[0], c.ops[1] + 1)}
+        self.in_style_hooks = False  # the torch calls a style's hooks make to move tensors are not the model's ops
         self.mode = _PlanMode(self)
 
     def install(self, model: torch.nn.Module) -> None:
@@ -56,10 +59,25 @@ class PlanExecutor:
             return _full(self._run_from(0, forward, args, kwargs))
 
         model.forward = planned_forward
+        for fqn in self.plan.styles or {}:
+            self._bracket_style_hooks(model.get_submodule(fqn))
         for modules in self.plan.recompute_groups.values():
             for fqn in modules:
                 if fqn:
                     self._wrap_recomputed(model.get_submodule(fqn), self.plan.graph.module_calls[fqn].first_op)
+
+    def _bracket_style_hooks(self, module: torch.nn.Module) -> None:
+        """Mark the time a style's input and output hooks run (before and after the hooks it registered)."""
+        def begin(*_):
+            self.in_style_hooks = True
+
+        def end(*_):
+            self.in_style_hooks = False
+
+        module.register_forward_pre_hook(begin, prepend=True)
+        module.register_forward_pre_hook(end)
+        module.register_forward_hook(begin, prepend=True)
+        module.register_forward_hook(end)
 
     def _wrap_recomputed(self, module: torch.nn.Module, first_op: int) -> None:
         """Activation checkpointing runs the module's forward again during backward: run it as planned again."""
@@ -118,6 +136,8 @@ class PlanExecutor:
         replicate = [Replicate()] * self.mesh.ndim
         table = {}
         for t, target in zip(operands, op.inputs):
+            if k in self.styled:  # a ParallelStyle's hooks prepared the module's inputs as planned
+                continue
             d = t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, replicate, run_check=False)
             table[id(t)] = self._move(d, replicate if op.local else list(target))
         if op.local:
@@ -187,7 +207,7 @@ class _PlanMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ex = self.executor
-        if not ex.running or getattr(func, "__name__", "") in ("__get__", "__set__"):
+        if not ex.running or ex.in_style_hooks or getattr(func, "__name__", "") in ("__get__", "__set__"):
             return func(*args, **kwargs)
         nodes = ex.plan.graph.nodes
         k = ex.position

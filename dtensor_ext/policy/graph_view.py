@@ -72,6 +72,7 @@ class ModuleCall:
     kwarg_ids: dict[str, int] = field(default_factory=dict)  # tensor keyword arguments
     first_op: int = -1
     last_op: int = -1
+    count: int = 0  # how many times the module ran
 
 
 class ClassChain(tuple):
@@ -257,6 +258,7 @@ class _Recorder(TorchFunctionMode):
             if fqn not in self.calls:
                 self.calls[fqn] = ModuleCall(fqn, module, tuple(self.tensor_id(a) for a in args), {
                     k: self.tensor_id(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            self.calls[fqn].count += 1
         return hook
 
     def _leave(self, fqn: str):

@@ -1,15 +1,29 @@
-"""Plans as data: what str(plan) and plan.to_yaml() show, YAML and policy giving the same plan, stages, recompute."""
+"""Plans as data: what str(plan) and plan.to_yaml() show (collectives and bytes, styles), an exported plan pinned
+again, YAML and policy giving the same plan, stages, recompute."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import yaml
+from expecttest import assert_expected_inline
 from torch.distributed.tensor import Shard
 
 from dtensor_ext.models import MoEModel, TinyLlama
 from dtensor_ext.models import policy_text
-from dtensor_ext.policy import OpPartition, OpPlan, build_plan, get_layer_index, get_pas_ops
+from dtensor_ext.policy import (
+    OpPartition,
+    OpPlan,
+    PolicyError,
+    build_plan,
+    get_layer_index,
+    get_pas_ops,
+    load_plan,
+    parallelize,
+)
 from dtensor_ext.testing import simulated_mesh
+from tests.policy.checks import assert_every_rank_matches
+from tests.policy.test_guarantee import MIDS, TP_LINEARS, Pair
 
 LLAMA_TP_YAML = policy_text("llama_tp_sp")
 MOE_YAML = policy_text("moe_expert_sum")
@@ -109,3 +123,71 @@ def test_layer_stages_split_where_layers_begin():
     from torch.distributed.pipelining import SplitPoint
 
     assert plan.split_spec() == {"layers.1": SplitPoint.BEGINNING}
+
+
+def _pair_plan(mesh):
+    torch.manual_seed(0)
+    model = Pair(MIDS["softmax"])
+    return model, build_plan(model, mesh, (torch.randn(4, 8, 8),), constraints=TP_LINEARS)
+
+
+def test_printed_plan_lists_collectives_bytes_and_styles():
+    """Each move with the collectives DTensor's own planner runs for it and the bytes a rank receives (ring
+    all-gather of a [4, 8, 16] fp32 value over 4 ranks: 3/4 of 2,048 B), the outputs' gathers, the styles."""
+    with simulated_mesh((4,)) as mesh:
+        _, plan = _pair_plan(mesh)
+        printed = str(plan)
+    assert printed.splitlines()[0].startswith("Plan for Pair on mesh (4,): 3 ops, modelled ")
+    assert_expected_inline("\n".join(printed.splitlines()[1:]), """\
+  forward redistributions: 2 collectives, 2,304 B received per rank (the busiest)
+  parameters (4 of 4 sharded):
+    fc1.weight: (S(0))
+    fc1.bias: (S(0))
+    fc2.weight: (S(0))
+    fc2.bias: (S(0))
+  ops (those that run sharded or move data):
+    %0 torch.nn.functional.linear in fc1: in (R), (S(0)), (S(0)) -> out (S(2))
+    %1 torch.softmax in <root>: in (R) -> out (R)
+      input 0 (%0, [4, 8, 16]): (S(2)) -> (R): all_gather 1,536 B
+    %2 torch.nn.functional.linear in fc2: in (R), (S(0)), (S(0)) -> out (S(2))
+  outputs (the caller gets full tensors):
+    %2 [4, 8, 8]: (S(2)) -> (R): all_gather 768 B
+  ParallelStyles (2 modules, proven, applied by parallelize):
+    fc1: ColwiseParallel: in R -> R, out S(2)
+    fc2: ColwiseParallel: in R -> R, out S(2)""")
+
+
+def test_exported_plan_pinned_reproduces_it():
+    model, tokens = _llama_and_tokens()
+    reference = TinyLlama()
+    reference.load_state_dict(model.state_dict())
+    expected = reference(tokens)
+    with simulated_mesh((4,)) as mesh:
+        plan = build_plan(model, mesh, (tokens,), constraints=LLAMA_TP_YAML)
+        exported = plan.to_yaml()
+        pinned = load_plan(model, mesh, (tokens,), exported)
+        assert pinned.to_yaml() == exported
+        assert str(pinned).splitlines()[1:] == str(plan).splitlines()[1:]
+        # the exact placements come back from DTensor's candidates, the Partial outputs included
+        assert [(op.inputs, op.outputs) for op in pinned.ops] == [(op.inputs, op.outputs) for op in plan.ops]
+        parallelize(model, mesh, (tokens,), plan=pinned)
+        assert_every_rank_matches(model(tokens), expected)
+    assert not pinned.deviations
+
+
+def test_a_pinned_plan_for_another_model_or_mesh_is_refused():
+    with simulated_mesh((4,)) as mesh:
+        model, plan = _pair_plan(mesh)
+        exported = plan.to_yaml()
+        inputs = (torch.randn(4, 8, 8),)
+        with pytest.raises(PolicyError, match=r"^<plan yaml>: field 'mesh' got \[2\]; expected the mesh the plan "):
+            load_plan(model, mesh, inputs, exported.replace("mesh:\n- 4", "mesh:\n- 2"))
+        with pytest.raises(PolicyError, match=r"^<plan yaml> op 1: field 'name' got 'torch.relu'; expected "
+                                              r"'torch.softmax', as the model runs it"):
+            load_plan(model, mesh, inputs, exported.replace("name: torch.softmax", "name: torch.relu"))
+        # the softmax over the features cannot run on feature shards without communicating
+        softmax_in = exported.index("name: torch.softmax")
+        tampered = exported[:softmax_in] + exported[softmax_in:].replace("- (R)", "- (S(2))", 2)
+        with pytest.raises(PolicyError, match=r"^<plan yaml> op 1: field 'inputs/outputs' got .*; expected "
+                                              r"placements DTensor runs torch.softmax at without communicating"):
+            load_plan(model, mesh, inputs, tampered)

@@ -1,0 +1,139 @@
+"""A solved plan read back from ``Plan.to_yaml()`` and pinned: the same placements, derived again.
+
+The model is traced again and every exported op must be the traced op at that position (same op, same module).
+Each op's placements are then looked up among DTensor's own candidates for it (the ones ``build_plan`` solves
+over): the exported text names them, the candidate supplies the exact placements (a Partial's reduce op and mask
+included). A document that does not describe this model, or names placements DTensor does not run the op at, is a
+``PolicyError`` naming the entry and the field.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+import yaml
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from dtensor_ext.policy.adapter import OpChoice, Plan, _fmt, _moves, _trace_outside_simulation
+from dtensor_ext.policy.constraints import _BoundedLoader
+from dtensor_ext.policy.derive import CandidateCache
+from dtensor_ext.policy.errors import PolicyError
+
+__all__ = ["load_plan"]
+
+_PLACEMENT = re.compile(r"R|P|S\((\d+)\)")
+
+
+def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported: str,
+              origin: str = "<plan yaml>") -> Plan:
+    """The plan ``exported`` (``Plan.to_yaml()`` text) describes, for ``model`` traced on ``example_inputs`` on
+    ``mesh``; ``parallelize(model, mesh, inputs, plan=load_plan(...))`` applies it."""
+    start = time.perf_counter()
+    data = _read(exported, origin)
+    if data.get("mesh") != list(mesh.shape):
+        raise PolicyError(origin, "mesh", data.get("mesh"), f"the mesh the plan is applied on, {list(mesh.shape)}")
+    graph = _trace_outside_simulation(model, example_inputs)
+    read = {graph.params[t]: None for n in graph.nodes for t in n.operand_ids if t in graph.params}
+    params = data.get("parameters")
+    if not isinstance(params, dict) or set(params) != set(read):
+        raise PolicyError(origin, "parameters", sorted(params) if isinstance(params, dict) else params,
+                          f"placements for the parameters the model reads: {sorted(read)}")
+    values = {fqn: graph.tensors[t] for t, fqn in graph.params.items()}
+    pinned = {fqn: _parameter(text, values[fqn], mesh, f"{origin} parameter {fqn}") for fqn, text in params.items()}
+    ops = data.get("ops")
+    if not isinstance(ops, list) or len(ops) != len(graph.nodes):
+        raise PolicyError(origin, "ops", f"{len(ops)} entries" if isinstance(ops, list) else ops,
+                          f"one entry per op the model runs ({len(graph.nodes)})")
+    cache = CandidateCache(mesh)
+    choices = []
+    for node, entry in zip(graph.nodes, ops):
+        where = f"{origin} op {node.index}"
+        if not isinstance(entry, dict):
+            raise PolicyError(where, "<entry>", entry, "a mapping with op, name, module, inputs, outputs")
+        for key, traced in (("op", node.index), ("name", node.signature), ("module", node.fqn)):
+            if entry.get(key) != traced:
+                raise PolicyError(where, key, entry.get(key), f"{traced!r}, as the model runs it ({node})")
+        inputs, outputs = entry.get("inputs"), entry.get("outputs")
+        for key, value, count in (("inputs", inputs, len(node.operand_ids)), ("outputs", outputs,
+                                                                              len(node.output_ids))):
+            if not isinstance(value, list) or len(value) != count:
+                raise PolicyError(where, key, value, f"a list of {count} placements")
+        if entry.get("local", False) is True:
+            replicate = (Replicate(),) * mesh.ndim
+            choices.append(OpChoice(node, (replicate,) * len(inputs), (replicate,) * len(outputs), True))
+            continue
+        texts_in = [_tokens(t, mesh, where, "inputs") for t in inputs]
+        texts_out = [_tokens(t, mesh, where, "outputs") for t in outputs]
+        chosen_in, chosen_out = [[] for _ in inputs], [[] for _ in outputs]
+        param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
+        for m in range(mesh.ndim):
+            found = cache.options(node, m, param_slots).candidates
+            wanted = (tuple(t[m] for t in texts_in), tuple(t[m] for t in texts_out))
+            match = next((c for c in found if (tuple(map(_short, c.inputs)), tuple(map(_short, c.outputs)))
+                          == wanted), None)
+            if match is None:
+                runs = sorted({f"{' '.join(map(_short, c.inputs))} -> {' '.join(map(_short, c.outputs))}"
+                               for c in found})
+                raise PolicyError(where, "inputs/outputs", f"{inputs} -> {outputs}",
+                                  f"placements DTensor runs {node.signature} at without communicating on mesh dim "
+                                  f"{m}: {'; '.join(runs) or 'none (it runs local)'}")
+            for k, p in enumerate(match.inputs):
+                chosen_in[k].append(p)
+            for k, p in enumerate(match.outputs):
+                chosen_out[k].append(p)
+        choices.append(OpChoice(node, tuple(map(tuple, chosen_in)), tuple(map(tuple, chosen_out))))
+    modelled = data.get("modelled_us", 0.0)
+    if not isinstance(modelled, (int, float)) or isinstance(modelled, bool):
+        raise PolicyError(origin, "modelled_us", modelled, "a number (the plan's modelled step time)")
+    plan = Plan(mesh, graph, choices, pinned, {}, {}, [], modelled * 1e-6)
+    for op, found in zip(choices, _moves(plan).values()):
+        op.moves = [f"input {slot} ({what}, {list(graph.tensors[op.node.operand_ids[slot]].shape)}): "
+                    f"{_fmt(held)} -> {_fmt(target)}" for slot, what, held, target, _ in found]
+    plan.planning_s = time.perf_counter() - start
+    return plan
+
+
+def _read(text: object, origin: str) -> dict:
+    if not isinstance(text, str):
+        raise PolicyError(origin, "<document>", text, "the text Plan.to_yaml() gave")
+    loader = _BoundedLoader(text, origin)
+    try:
+        data = loader.get_single_data()
+    except yaml.YAMLError as exc:
+        raise PolicyError(origin, "<document>", getattr(exc, "problem", None) or str(exc), "well-formed YAML") from None
+    finally:
+        loader.dispose()
+    if not isinstance(data, dict):
+        raise PolicyError(origin, "<document>", data, "a mapping with mesh, parameters and ops")
+    return data
+
+
+def _tokens(text: object, mesh: DeviceMesh, where: str, field_name: str) -> tuple[str, ...]:
+    """'(S(1), R)' -> ('S(1)', 'R'), one per mesh dim."""
+    if not isinstance(text, str) or not (text.startswith("(") and text.endswith(")")):
+        raise PolicyError(where, field_name, text, "placements written as '(R, S(0), P)', one per mesh dim")
+    parts = tuple(p.strip() for p in text[1:-1].split(","))
+    if len(parts) != mesh.ndim or not all(_PLACEMENT.fullmatch(p) for p in parts):
+        raise PolicyError(where, field_name, text, f"{mesh.ndim} placements, each R, P or S(<dim>)")
+    return parts
+
+
+def _parameter(text: object, value: torch.Tensor, mesh: DeviceMesh, where: str) -> tuple:
+    """A parameter's placements: Replicate, or Shard on a dim the mesh dim's ranks split evenly (what the solve
+    offers)."""
+    out = []
+    for m, token in enumerate(_tokens(text, mesh, where, "parameters")):
+        dim = int(token[2:-1]) if token.startswith("S") else None
+        if token == "P" or dim is not None and not (dim < value.ndim and value.shape[dim] % mesh.size(m) == 0
+                                                    and value.shape[dim] >= mesh.size(m)):
+            raise PolicyError(where, "parameters", text, f"R or S(<dim>) on a dim of {list(value.shape)} that "
+                                                         f"{mesh.size(m)} ranks split evenly, on mesh dim {m}")
+        out.append(Replicate() if dim is None else Shard(dim))
+    return tuple(out)
+
+
+def _short(p) -> str:
+    return _fmt((p,))[1:-1]
