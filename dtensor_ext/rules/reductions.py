@@ -1,8 +1,9 @@
 """Reductions and scans: a dim that survives may be sharded; a reduced dim only where the partial results combine.
 
 A sharded reduced dim gives a Partial output exactly when the reduction of per-rank results is one DTensor can
-finish (count_nonzero: sum of counts). Reductions that raise on an empty input (aminmax, amax with a dim) must
-not shard a reduced dim at all: DTensor's uneven chunking can leave a rank with nothing (9 rows on 4 ranks).
+finish (count_nonzero: sum of counts; aminmax: Partial(min) and Partial(max)). A kernel that raises on an empty input
+(aminmax) must not see an empty shard of a reduced dim, which DTensor's uneven chunking can leave a rank (5 rows on 4
+ranks: 2, 2, 1, 0); a single-dim rule does not see the mesh, so `torch_fixes.empty_shards` drops those layouts.
 """
 
 from __future__ import annotations
@@ -48,11 +49,14 @@ def count_nonzero_rule(op, args, kwargs):
 
 @single_dim_rule("aten::aminmax", family=FAMILY, schema_info=RuntimeSchemaInfo(1, static_kwargkey=["dim", "keepdim"]))
 def aminmax_rule(op, args, kwargs):
-    """(min, max) over `dim` (or everything): only surviving dims shard; see the module note on empty shards."""
+    """(min, max) over `dim` (or everything): surviving dims shard, and a sharded reduced dim gives the per-rank
+    (min, max) as (Partial(min), Partial(max)), as torch's own path through amin and amax does. A rank left an empty
+    shard of a reduced dim would make the kernel raise: `torch_fixes.empty_shards` drops those layouts."""
     self = args[0]
     ndim = len(self.shape)
-    dim = kwargs.get("dim")
-    return surviving_rows(ndim, reduced_dims(ndim, dim), kwargs.get("keepdim", False), n_outputs=2)
+    reduced = reduced_dims(ndim, kwargs.get("dim"))
+    rows = surviving_rows(ndim, reduced, kwargs.get("keepdim", False), n_outputs=2)
+    return rows + [[Partial("min"), Partial("max"), ShardingPlaceholder(d)] for d in reduced]
 
 
 @single_dim_rule("aten::hash_tensor", family=FAMILY,
