@@ -22,8 +22,8 @@ from __future__ import annotations
 from dtensor_ext._compat.types import (  # noqa: F401
     allgather_cost, allreduce_cost, compute_local_shape_and_global_offset, DTensor, DTensorSpec, fill_placeholders,
     funcol, is_placeholder, is_tensor_evenly_shardable, is_tensor_shardable, LocalTensor, LocalTensorMode,
-    MaskPartial, MeshTopoInfo, OpOverload, OpOverloadPacket, OpSchema, OpSpec, OpStrategy, Partial, Placement,
-    pytree, redistribute_cost, reduce_scatter_cost, Replicate, RuntimeSchemaInfo, Shard, ShardingPlaceholder,
+    MaskPartial, MeshTopoInfo, NormPartial, OpOverload, OpOverloadPacket, OpSchema, OpSpec, OpStrategy, Partial,
+    Placement, pytree, redistribute_cost, reduce_scatter_cost, Replicate, RuntimeSchemaInfo, Shard, ShardingPlaceholder,
     StridedShard, tensor_meta, TensorMeta, torch_op_names, TORCH_VERSION, TorchDispatchMode, TupleStrategy,
 )
 from dtensor_ext._compat.testing import (  # noqa: F401

@@ -21,6 +21,7 @@ from torch.distributed.tensor._op_schema import (  # noqa: F401  (re-exported)
     OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy,
 )
 from torch.distributed.tensor._ops import single_dim_strategy as _sds
+from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial  # noqa: F401  (re-exported)
 from torch.distributed.tensor._ops.utils import (  # noqa: F401  (re-exported)
     is_tensor_evenly_shardable, is_tensor_shardable,
 )

@@ -75,7 +75,10 @@ def _planned(previous):
     @functools.wraps(previous)
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
         key = (current_spec, target_spec, enabled_local_tensor_mode() is not None)
-        decided = _decisions.get(key)
+        try:
+            decided = _decisions.get(key)
+        except TypeError:  # a symbolic size (dynamic shapes under torch.compile) makes the spec unhashable
+            return previous(local_tensor, current_spec, target_spec, **kwargs)
         # meshes compare equal by shape and ranks; a decision holds the groups of the mesh it was made on
         if decided is None or decided[0] is not current_spec.mesh:
             if _compat.tracing_for_compile():  # no decision from traced (possibly symbolic) specs

@@ -5,7 +5,7 @@ an empty shard; torch offers such layouts (its `is_tensor_shardable` only asks f
 local kernels raise on an empty input although the op's result on it is simply empty: the MKL FFTs
 (`_fft_c2c/_fft_r2c/_fft_c2r`; the 2.15 CPU FFT takes empty input), batch norm in training mode, pooling with no
 channels (max/avg pools, adaptive max pools, 3-D adaptive avg pool; 2.15's single-dim pooling rules shard the
-channel dim), `max`/`min` without a dim, `amax`/`amin`/`argmax`/`argmin` over an empty dim and
+channel dim), `max`/`min` without a dim, `amax`/`amin`/`aminmax`/`argmax`/`argmin` over an empty dim and
 `linalg_vector_norm` for orders without an identity (inf, negative). Each kernel is probed on its own, and
 `registry()` lists as fixed only the ops whose probe found the rejection. Where a
 feature check finds the running torch's CPU kernel rejecting an empty input, these ops' strategies lose exactly
@@ -170,6 +170,7 @@ def kernels() -> dict:
         aten.min.default: EmptyRejecting(lambda: aten.min(_no_rows()), _every_dim),
         aten.amax.default: EmptyRejecting(lambda: aten.amax(_no_rows()), _reduced_dims),
         aten.amin.default: EmptyRejecting(lambda: aten.amin(_no_rows()), _reduced_dims),
+        aten.aminmax.default: EmptyRejecting(lambda: aten.aminmax(_no_rows()), _reduced_dims),
         aten.argmax.default: EmptyRejecting(lambda: aten.argmax(_no_rows()), _reduced_dims),
         aten.argmin.default: EmptyRejecting(lambda: aten.argmin(_no_rows()), _reduced_dims),
         aten.linalg_vector_norm.default: EmptyRejecting(
@@ -285,11 +286,11 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
         "aten::avg_pool2d.default", "aten::avg_pool3d.default", "aten::adaptive_max_pool2d.default",
         "aten::adaptive_max_pool3d.default", "aten::_adaptive_avg_pool3d.default",
         "aten::max.default", "aten::min.default", "aten::amax.default", "aten::amin.default",
-        "aten::argmax.default", "aten::argmin.default",
+        "aten::aminmax.default", "aten::argmax.default", "aten::argmin.default",
         "aten::linalg_vector_norm.default", "aten::norm.Scalar",
     ),
     why="torch keeps layouts where a rank holds an empty shard (5 over 4 ranks: 2,2,1,0) and the CPU kernel "
-    "(MKL FFT before 2.15, batch norm training, pooling of empty channels, max/min/amax/amin/argmax/argmin, "
+    "(MKL FFT before 2.15, batch norm training, pooling of empty channels, max/min/amax/amin/aminmax/argmax/argmin, "
     "inf/negative norms) raises on the empty input",
 )
 def fix_empty_shards():

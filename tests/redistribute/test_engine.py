@@ -1,5 +1,6 @@
 """install(planner=True): DTensor's own redistribution runs the planner's plans, with DTensor's autograd."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import event, given, note
@@ -255,3 +256,26 @@ def test_the_engine_imports_nothing_of_the_testing_kit():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_symbolic_size_hands_the_move_to_torch():
+    """Dynamic shapes under torch.compile give specs with SymInt sizes, which hash to a TypeError: torch's function
+    runs the move (the planner's cache lookup raised "unhashable type: non-nested SymInt" inside dynamo before)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    rows = ShapeEnv().create_unbacked_symint()
+    calls = []
+
+    def torch_move(local_tensor, current_spec, target_spec, **kwargs):
+        calls.append((current_spec, target_spec))
+        return local_tensor
+
+    with simulated_mesh((2,)) as mesh:
+        meta = _compat.TensorMeta((rows, 4), (4, 1), torch.float32)
+        source = _compat.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+        target = _compat.DTensorSpec(mesh, (Replicate(),), tensor_meta=meta)
+        with pytest.raises(TypeError, match="unhashable"):
+            hash(source)
+        local = torch.zeros(2, 4)
+        assert engine._planned(torch_move)(local, source, target) is local
+    assert calls == [(source, target)]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
-from dtensor_ext._compat import Partial, op_strategy_rows, tensor_meta
+from dtensor_ext import _compat
+from dtensor_ext._compat import NormPartial, Partial, op_strategy_rows, tensor_meta
 from dtensor_ext.rules import reductions
-from dtensor_ext.testing.checker import check_combination, sample_tensor
+from dtensor_ext.testing.checker import check_combination, check_rule, sample_tensor
 from dtensor_ext.testing.mesh import simulated_mesh
 from dtensor_ext.testing.strategies import shapes
 from tests.rules.proof import PROVING_MESHES, assert_proven, assert_torch_validator_agrees, filled_rows
@@ -42,8 +46,13 @@ def test_count_nonzero_proven(mesh_shape, sample, single):
 def test_aminmax_proven(mesh_shape, shape, data):
     dim = data.draw(st.none() | st.integers(-max(len(shape), 1), max(len(shape), 1) - 1))
     kwargs = {"dim": dim, "keepdim": data.draw(st.booleans())}
-    assert_proven(aten.aminmax.default, [sample_tensor(shape)], kwargs, rule=reductions.aminmax_rule,
-                  mesh_shape=mesh_shape)
+    report = check_rule(aten.aminmax.default, [sample_tensor(shape)], kwargs, mesh_shape=mesh_shape,
+                        rule=reductions.aminmax_rule, search_missing=False)
+    # right everywhere but where a rank holds an empty shard of a reduced dim, on which the kernel raises: the
+    # layouts torch_fixes.empty_shards drops once installed (tests/torch_fixes/test_empty_shards.py runs them)
+    empty_dim = "aminmax.*(over an empty dimension|dim \\d+ to have non-zero size)"
+    for failure in report.failures:
+        assert re.search(empty_dim, failure.reason), str(report)
 
 
 @PROVING_MESHES
@@ -76,14 +85,40 @@ def test_cumsum_proven(mesh_shape, shape, data):
 @example(sample=((2, 5, 3), [1]), keepdim=False, p=2, with_dtype=False)
 @example(sample=((3, 5, 2), [-1]), keepdim=False, p=0, with_dtype=True)
 def test_norm_over_dims_proven(mesh_shape, sample, keepdim, p, with_dtype):
-    """Surviving dims shard; a reduced dim only for p in {0, 1} (inf and negative p raise on an empty shard; other
-    orders would need DTensor's p-norm Partial)."""
+    """Surviving dims shard; a reduced dim into Partial(sum) for p in {0, 1} (inf and negative p raise on an empty
+    shard). The p-norm Partial rows of other orders, which the checker cannot reassemble, are run as DTensors in
+    test_norm_partial_of_a_sharded_reduced_dim."""
     shape, dims = sample
     args = [sample_tensor(shape), p, dims, keepdim]
     op, kwargs = aten.norm.ScalarOpt_dim, {}
     if with_dtype:
         op, kwargs = aten.norm.ScalarOpt_dim_dtype, {"dtype": torch.float64}
-    assert_proven(op, args, kwargs, rule=reductions.norm_over_dims_rule, mesh_shape=mesh_shape)
+
+    def checkable_rows(op, args_meta, kwargs_meta):
+        rows = reductions.norm_over_dims_rule(op, args_meta, kwargs_meta)
+        return [row for row in rows if not isinstance(row[0], NormPartial)]
+
+    assert_proven(op, args, kwargs, rule=checkable_rows, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
+@given(sample=reduction_samples(min_dims=1), keepdim=st.booleans(), p=st.sampled_from([None, 2, 0.5, 3]))
+@example(sample=((5, 3), [0]), keepdim=False, p=2)  # 2, 2, 1, 0 rows on 4 ranks: an empty shard adds nothing
+def test_norm_partial_of_a_sharded_reduced_dim(mesh_shape, sample, keepdim, p):
+    """For positive finite orders other than 0 and 1, a reduced dim sharded on every mesh dim stays local: the
+    result is DTensor's p-norm Partial and its full tensor is the one-device norm (uneven and empty shards too)."""
+    shape, dims = sample
+    reduced = reductions.reduced_dims(len(shape), dims)
+    x = sample_tensor(shape)
+    dtensor_ext.install()
+    with simulated_mesh(mesh_shape) as mesh:
+        d = distribute_tensor(x, mesh, [Shard(reduced[0])] * len(mesh_shape))
+        with CommDebugMode() as comms:
+            out = aten.norm.ScalarOpt_dim(d, p, dims, keepdim)
+        placements, full = out.placements, out.full_tensor()
+    assert comms.get_total_counts() == 0
+    assert placements == (NormPartial(2.0 if p is None else float(p)),) * len(mesh_shape)
+    torch.testing.assert_close(full, aten.norm.ScalarOpt_dim(x, p, dims, keepdim))
 
 
 ONE_D_PLACEMENTS = [Replicate(), Shard(0), Shard(1), Shard(2), *(Partial(r) for r in ("sum", "avg", "max", "min"))]
@@ -127,14 +162,21 @@ def test_torch_validator_finds_no_incorrect_rule():
     # these OpInfo samples only reach combinations the validator counts as trivial: run for false positives only
     assert_torch_validator_agrees("aminmax", exercised=False)
     assert_torch_validator_agrees("logsumexp", upgrade=["aten::logsumexp"], exercised=False)
-    # pairwise_distance runs sub and add before norm.ScalarOpt_dim: validate each of its aten ops
-    assert_torch_validator_agrees("nn.functional.pairwise_distance", allow_composite=True)
+    # pairwise_distance runs sub and add before norm.ScalarOpt_dim: validate each of its aten ops. The validator
+    # flags every row with DTensor's p-norm Partial output, also where DTensor's own full_tensor() gives the
+    # one-device norm (test_norm_partial_of_a_sharded_reduced_dim): every other row must pass
+    with simulated_mesh((2,)):
+        pass  # leaves a fake world of 2 ranks initialized, which the validator needs
+    dtensor_ext.install()
+    stats = _compat.compare_operator("nn.functional.pairwise_distance", world_size=2, max_samples=4,
+                                     incorrect_only=True, dtype=torch.float64, allow_composite=True)
+    flagged = {(d.aten_op, d.output_placements) for d in stats.false_positives}
+    assert flagged <= {(aten.norm.ScalarOpt_dim, ("_NormP(2.0)",))}, flagged
+    assert stats.true_positives > 0
 
 
 def test_pairwise_distance_of_row_sharded_inputs_stays_local(installed):
     """F.pairwise_distance's p-norm over the features keeps unevenly sharded rows sharded, with no collective."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     x1, x2 = sample_tensor((5, 4)), sample_tensor((5, 4), seed=1)
     with simulated_mesh((4,)) as mesh:
         d1, d2 = distribute_tensor(x1, mesh, [Shard(0)]), distribute_tensor(x2, mesh, [Shard(0)])

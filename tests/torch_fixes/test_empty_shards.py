@@ -59,6 +59,8 @@ CASES = [
     ("min", torch.min, _real(9, 3), "min"),
     ("amax", torch.amax, _real(9, 3), "amax"),
     ("amin_of_the_sharded_dim", lambda x: torch.amin(x, 0), _real(9, 3), "amin"),
+    ("aminmax", torch.aminmax, _real(9, 3), "aminmax"),
+    ("aminmax_of_the_sharded_dim", lambda x: torch.aminmax(x, dim=0), _real(9, 3), "aminmax"),
     ("argmax", torch.argmax, _real(9, 3), "argmax"),  # torch runs these two through a custom handler
     ("argmin_of_the_sharded_dim", lambda x: torch.argmin(x, 0), _real(9, 3), "argmin"),
     ("norm_inf", lambda x: torch.linalg.vector_norm(x, INF), _real(9, 3), "linalg_vector_norm"),
@@ -111,7 +113,7 @@ def test_torch_fails_where_the_kernel_rejects_empty_input_and_the_fix_runs_it(fi
         return
     dtensor_ext.install(fix_torch=False)
     if _op_name(op) in fixed_ops[FIX]:
-        kernel_errors = "MKL|at least one element|numel|norm on|non-zero size|no elements|positive l|3D or 4D"
+        kernel_errors = "MKL|at least one element|numel|norm on|non-zero size|no elements|positive l|3D or 4D|empty dim"
         with simulated_mesh(mesh_shape) as mesh, pytest.raises((RuntimeError, IndexError), match=kernel_errors):
             _run(fn, x, mesh, placements)
     else:
