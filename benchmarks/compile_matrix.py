@@ -18,6 +18,7 @@ Scenarios (torch's own ParallelStyles, the package's TinyLlama):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -74,7 +75,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", choices=("aot_eager", "inductor"), default=["aot_eager", "inductor"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, 2 gloo ranks; best of {args.repeats}, order rotated; seconds of rank 0")
+    print(f"torch {torch.__version__}, 2 gloo ranks; best of {args.repeats}, order rotated; seconds of rank 0; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (others' jobs skew the times)")
     print("scenario | backend | package: outcome, graphs, s | torch alone: outcome, graphs, s | time ratio")
     for scenario in args.scenarios:
         for backend in args.backends:
@@ -93,6 +95,7 @@ def main() -> None:
                 return f"{r[0]}, {r[1]}, {r[2]:.1f}" if r[2] is not None else f"{r[0]}, {r[1]}, -"
 
             print(f"{scenario} | {backend} | {cell(ours)} | {cell(alone)} | {ratio}", flush=True)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     sys.stdout.flush()
 
 

@@ -59,7 +59,7 @@ from dtensor_ext._compat.collectives import (  # noqa: F401
     default_store, flat_collectives, group_size, mesh_description, mesh_coordinates_by_rank, process_group_of,
 )
 from dtensor_ext._compat.compile import (  # noqa: F401
-    aot_eager_with_joint_pass, dynamo_backend, fake_mode_of, fake_tensor_mode, inductor_cache_dir,
-    inductor_custom_pass_api, inductor_joint_pass_slot, override_meta_kernel, size_hint, swap_dynamo_backend,
-    wrap_inductor_entry,
+    aot_eager_with_joint_pass, custom_op_autotuning_api, dynamo_backend, fake_mode_of, fake_tensor_mode,
+    inductor_cache_dir, inductor_custom_pass_api, inductor_joint_pass_slot, override_meta_kernel,
+    set_collective_choice_benchmark, size_hint, swap_dynamo_backend, wrap_inductor_entry,
 )

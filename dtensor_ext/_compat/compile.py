@@ -166,3 +166,50 @@ def dynamo_backend(name: str) -> Callable:
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend(name)
+
+
+def set_collective_choice_benchmark(benchmark: Callable[..., float]) -> Callable[[], None]:
+    """Make ``benchmark(prepare, run, name, inputs) -> ms`` what inductor's autotuner calls for each choice of an op
+    whose choices issue collectives, instead of torch's (CUDA events only, mean over ranks). ``prepare()`` compiles
+    the choice (inductor otherwise compiles it lazily inside its first run, i.e. after the ranks synchronised and
+    while peers may already wait in the choice's collectives); ``run()`` runs it once on ``inputs``, its benchmark
+    tensors. inf means failed or timed out: inductor then falls back to the op's default. Inductor's FX-graph and
+    autotune caches are off meanwhile (a rank that hit them would not benchmark while its peers do). The returned
+    undo puts back torch's benchmark and the caches."""
+    from torch._inductor import config
+    from torch._inductor.select_algorithm import AlgorithmSelectorCache
+
+    previous = AlgorithmSelectorCache.__dict__["benchmark_collective_choice"]
+
+    def benchmark_choice(cls, choice, autotune_args):
+        inputs, output = autotune_args.get_benchmark_tensors(cls._is_extern(choice)).unpack()
+        output.zero_()
+        prepare = getattr(choice, "_ensure_compiled", None) or (lambda: None)  # subgraph choices compile lazily
+
+        def run() -> None:
+            # Inductor benchmarks while lowering, with the Python dispatcher on. There, on gloo, a choice's
+            # all_gather_into_tensor + wait_tensor blocked on every rank until the group's timeout (the same
+            # compiled code completes with the dispatcher off, as it runs in the compiled step).
+            with torch._C._DisablePythonDispatcher():
+                choice.benchmark_collective(*inputs, out=output)
+
+        return benchmark(prepare, run, getattr(choice, "name", "?"),
+                         [t for t in inputs if isinstance(t, torch.Tensor)])
+
+    caches = config.patch(fx_graph_cache=False, autotune_local_cache=False, autotune_remote_cache=False)
+    caches.__enter__()
+    AlgorithmSelectorCache.benchmark_collective_choice = classmethod(benchmark_choice)
+
+    def undo() -> None:
+        AlgorithmSelectorCache.benchmark_collective_choice = previous
+        caches.__exit__(None, None, None)
+
+    return undo
+
+
+def custom_op_autotuning_api():
+    """(register_custom_op_autotuning, CustomOpConfig): inductor's registration of alternative implementations
+    of a custom op, chosen by benchmarking when the op is compiled with max_autotune."""
+    from torch._inductor.kernel.custom_op import CustomOpConfig, register_custom_op_autotuning
+
+    return register_custom_op_autotuning, CustomOpConfig
