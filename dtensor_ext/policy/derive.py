@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtensor_ext._compat import fake_tensor_mode, outside_dispatch_modes, outside_simulated_ranks, quiet_torch_log
+from dtensor_ext._compat import (clear_sharding_caches, fake_tensor_mode, outside_dispatch_modes,
+                                 outside_simulated_ranks, quiet_torch_log)
 from dtensor_ext.policy.graph_view import OpNode, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["Candidate", "NodeOptions", "enumerate_candidates", "is_inplace", "operand_tensors"]
@@ -150,13 +151,18 @@ def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_op
     candidates, tried = [], {}
     with outside_simulated_ranks(), outside_dispatch_modes(), _quiet_fake_kernels(), fake_tensor_mode() as fake:
         fakes = [fake.from_tensor(t) for t in operands]
-        flops, nbytes, saved = _work(node, operands, fakes, grad_operands, param_operands)
-        for combo in _combinations(options):
-            found = _try(node, mesh, mesh_dim, operands, fakes, combo, grad_operands, param_operands)
-            if isinstance(found, Candidate):
-                candidates.append(found)
-            else:
-                tried[combo] = found
+        try:
+            flops, nbytes, saved = _work(node, operands, fakes, grad_operands, param_operands)
+            for combo in _combinations(options):
+                found = _try(node, mesh, mesh_dim, operands, fakes, combo, grad_operands, param_operands)
+                if isinstance(found, Candidate):
+                    candidates.append(found)
+                else:
+                    tried[combo] = found
+        finally:
+            # DTensor's cached strategies hold stateful placements (an embedding's _MaskPartial keeps the mask it
+            # made): the fake runs left fake masks there, which the real run of the same op would then compare with
+            clear_sharding_caches()
     return NodeOptions(candidates, flops, nbytes, tried, saved)
 
 
