@@ -10,6 +10,7 @@ dependencies, installed by pip from the configured index (or its cache).
 
 import importlib.metadata as metadata
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -54,8 +55,12 @@ def _run(args, **kwargs) -> subprocess.CompletedProcess:
 
 
 def test_the_wheel_installed_without_extras_runs_the_demo(tmp_path):
-    wheels = tmp_path / "wheels"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, ROOT])
+    wheels, source = tmp_path / "wheels", tmp_path / "source"
+    # built from a copy: pip builds in the source tree, and CI runs two torches' suites at once from one checkout
+    shutil.copytree(ROOT / "dtensor_ext", source / "dtensor_ext", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, source])
     (wheel,) = wheels.glob("dtensor_ext-*.whl")
 
     fresh, work = tmp_path / "venv", tmp_path / "work"  # work: not the repository, so the wheel is what's imported
