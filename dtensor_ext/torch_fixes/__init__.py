@@ -57,7 +57,7 @@ def declared_fixes() -> dict[str, TorchFix]:
         allclose, fft_linearity, attention_bias, attention_empty_shards, attention_layout, attention_mask,
         conv_handlers, copy_variants, embedding_renorm, embedding_rows, empty_shards, empty_views, grouped_mm_meta,
         infeasible_choice, inplace_clamp, inplace_copy, inplace_shift, list_indices, logsumexp_keepdim, losses,
-        mask_partial_reads, mask_partial_views, mean_as_sum, partial_fill, pinv_tolerances, replicate_first,
+        mask_partial_reads, mask_partial_views, mean_as_sum, pad_mesh_dims, partial_fill, pinv_tolerances, replicate_first,
         searchsorted_sorter, segment_reduce, shard_to_partial, batched_solves, uneven_rules, uneven_views,
     )
 
@@ -122,10 +122,25 @@ def generic_dispatch(op_call: OpOverload, args: tuple, kwargs: dict, *, local_re
     """What DTensor's generic path does (propagate, redistribute, run the local kernel, wrap), for handlers that
     take only some calls; `local_results(local, output_spec)` may adjust the local results before wrapping."""
     op_info, sharding, _ = _compat.propagate_and_redistribute(op_call, args, kwargs)
+    _refuse_moving_self(op_call, args, sharding.output_spec)
     local = op_call(*op_info.local_args, **op_info.local_kwargs)
     if local_results is not None:
         local = local_results(local, sharding.output_spec)
     return _compat.wrap_local_results(local, sharding.output_spec)
+
+
+def _refuse_moving_self(op_call: OpOverload, args: tuple, output_spec) -> None:
+    """An in-place op whose chosen layout moves `self` would write a moved copy, not `self`: refused, as DTensor's
+    own dispatch does (2.13+ refuse while expanding the strategy; 2.11's check sits in the dispatch path that a
+    handler replaces)."""
+    if not op_call._schema.name.endswith("_") or not isinstance(args[0], _compat.DTensor):
+        return
+    chosen = output_spec[0] if isinstance(output_spec, (tuple, list)) else output_spec
+    if chosen is not None and tuple(chosen.placements) != tuple(args[0].placements):
+        raise RuntimeError(
+            f"{op_call}: in-place operations that require placement changes are not supported: the chosen layout "
+            f"moves self from {tuple(args[0].placements)} to {tuple(chosen.placements)}"
+        )
 
 
 def dispatch_moving_keywords(

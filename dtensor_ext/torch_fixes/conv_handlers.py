@@ -10,11 +10,13 @@ that needed no redistribution run exactly as before.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import Replicate, Shard
-from dtensor_ext.torch_fixes import applied_to, swap_handlers, torch_fix
+from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Partial, Replicate, Shard
+from dtensor_ext.torch_fixes import applied_to, restorer, swap_handlers, torch_fix, undo_all
 
 aten = torch.ops.aten
 
@@ -67,9 +69,61 @@ def _convolution_backward(op_call, args, kwargs):
         like_input = [Replicate() if p.is_partial() else p for p in inputs.placements]
         args = (grad_output.redistribute(inputs.device_mesh, like_input), *args[1:])
     op_info, sharding, schema = _compat.propagate_and_redistribute(op_call, args, kwargs)
-    grad_output_dims = _dim_map(schema.args_schema[0])
-    local = tp_convolution_backward(op_call, tuple(op_info.local_args), op_info.local_kwargs, grad_output_dims)
+    grad_output_dims, padding = _dim_map(schema.args_schema[0]), op_info.local_args[5]
+    if all(d == -1 for d in grad_output_dims[1:]) or not padding[-1]:  # no halo, as in the forward
+        local = op_call(*op_info.local_args, **op_info.local_kwargs)
+    else:
+        local = tp_convolution_backward(op_call, tuple(op_info.local_args), op_info.local_kwargs, grad_output_dims)
     return _compat.wrap_local_results(local, sharding.output_spec)
+
+
+def _expanded(op_schema: OpSchema, rows: list[tuple[tuple, tuple]]) -> OpStrategy:
+    """Every combination over the mesh dims of the single-dim `rows` (tensor-arg placements, output placements;
+    None for an absent output), written out here: 2.11's expansion of single-dim rules has no absent outputs."""
+    sources = [a for a in op_schema.args_schema if isinstance(a, OpStrategy)]
+    mesh = sources[0].mesh
+    layouts = []
+    for chosen in itertools.product(rows, repeat=mesh.ndim):
+        inputs = [DTensorSpec(mesh, tuple(row[0][i] for row in chosen),
+                              tensor_meta=source.strategies[0].output_spec.tensor_meta)
+                  for i, source in enumerate(sources)]
+        outputs = tuple(None if chosen[0][1][i] is None else DTensorSpec(mesh, tuple(row[1][i] for row in chosen))
+                        for i in range(len(chosen[0][1])))
+        costs = [_compat.redistribute_costs(source, target) for source, target in zip(sources, inputs)]
+        layouts.append(OpSpec(outputs if len(outputs) > 1 else outputs[0], inputs, costs))
+    return OpStrategy(layouts)
+
+
+def convolution_strategy(op_schema: OpSchema) -> OpStrategy:
+    """Batch-sharded input; Partial input and bias (the conv is linear in both together); all replicated."""
+    has_bias = op_schema.args_schema[2] is not None
+    with_bias = (lambda x, b: (x, Replicate(), b)) if has_bias else (lambda x, b: (x, Replicate()))
+    return _expanded(op_schema, [(with_bias(Replicate(), Replicate()), (Replicate(),)),
+                                 (with_bias(Shard(0), Replicate()), (Shard(0),)),
+                                 (with_bias(Partial(), Partial()), (Partial(),))])
+
+
+def convolution_backward_strategy(op_schema: OpSchema) -> OpStrategy:
+    """grad_output and input batch-sharded together (weight and bias gradients Partial), or all replicated; an
+    output the mask leaves out (or an absent bias) has none."""
+    bias_sizes, mask = op_schema.args_schema[3], op_schema.args_schema[10]
+    wanted = (mask[0], mask[1], mask[2] and bias_sizes is not None)
+
+    def outputs(grad_input, grad_weight):
+        return tuple(p if w else None for p, w in zip((grad_input, grad_weight, grad_weight), wanted))
+
+    return _expanded(op_schema, [((Replicate(),) * 3, outputs(Replicate(), Replicate())),
+                                 ((Shard(0), Shard(0), Replicate()), outputs(Shard(0), Partial()))])
+
+
+def _rules_ignore_layouts() -> bool:
+    """Feature check: torch's propagation of conv1d's backward with every tensor replicated ([1, 1, 2] input,
+    [1, 1, 1] weight, on a 2-rank probe mesh) calls the weight gradient Partial (2.11's prop rule)."""
+    replicated = [_compat.probe_spec(torch.zeros(shape), (Replicate(),)) for shape in ((1, 1, 2), (1, 1, 2), (1, 1, 1))]
+    args = (*replicated, None, [1], [0], [1], False, [0], 1, [True, True, False])
+    with _compat.outside_simulated_ranks():
+        output = _compat.propagate_cold(OpSchema(aten.convolution_backward.default, args, {})).output_spec
+    return output[1].placements != (Replicate(),)
 
 
 @torch_fix(
@@ -86,5 +140,13 @@ def fix_convolution_handlers():
     ]
     if not faulty:
         return None
-    return applied_to(faulty, swap_handlers({op: ours[op] for op in faulty}))
+    undos = [swap_handlers({op: ours[op] for op in faulty})]
+    if _rules_ignore_layouts():
+        strategies = {aten.convolution.default: (convolution_strategy, _compat.RuntimeSchemaInfo(3)),
+                      aten.convolution_backward.default: (convolution_backward_strategy, _compat.RuntimeSchemaInfo(3))}
+        for op, (strategy, schema_info) in strategies.items():
+            undos.append(restorer(op))
+            _compat.restore_registration(op, {})
+            _compat.register_op_strategy(op, strategy, schema_info=schema_info)
+    return applied_to(faulty, undo_all(undos))
 

@@ -6,7 +6,8 @@ reach it: `F.gaussian_nll_loss` clamps `var.clone()` in place, and torch 2.15's 
 Partial (2.13's gathered it, so the loss worked there). The exact in-place answer exists: the out-of-place clamp
 (torch reduces the Partial first) laid out again as `self` is laid out (a Partial piece per rank whose reduction
 is the clamped value), written into `self`'s local tensor, so `self` and every view of it keep their placements.
-Calls without a Partial `self` run DTensor's generic path unchanged.
+Calls without a Partial `self` run DTensor's generic path unchanged, except scalar bounds, which clamp each piece
+where it is (any Shard or Replicate layout, empty shards included).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ OUT_OF_PLACE = {
 def _clamp_partial_in_place(op_call, args, kwargs):
     self = args[0]
     if not any(p.is_partial() for p in self.placements):
+        if not any(isinstance(a, _compat.DTensor) for a in (*args[1:], *kwargs.values())):
+            # scalar bounds on a sharded or replicated self: elementwise on every piece, in any layout (2.11's
+            # strategies keep no layout with an empty shard, 3 rows on 4 ranks, and would move self)
+            op_call(self._local_tensor, *args[1:], **kwargs)
+            return self
         return generic_dispatch(op_call, args, kwargs)
     value = OUT_OF_PLACE[op_call](*args, **kwargs)
     moved = _compat.dispatch_redistributor()(value._local_tensor, value._spec, self._spec)

@@ -10,10 +10,12 @@ from dtensor_ext.torch_fixes import Undo, restorer, undo_all
 
 
 def wrap_strategies(
-    ops: Iterable[OpOverload], wrap: Callable[[Callable], Callable], *, strategy_of: Callable | None = None
+    ops: Iterable[OpOverload], wrap: Callable[[Callable], Callable], *, strategy_of: Callable | None = None,
+    schema_info: _compat.RuntimeSchemaInfo | None = None,
 ) -> Undo:
-    """Register `wrap(torch's strategy function)` as each op's strategy, with torch's schema info for it. The
-    strategy and schema info are those torch has for `strategy_of(op)` (default: the op itself)."""
+    """Register `wrap(torch's strategy function)` as each op's strategy, with torch's schema info for it (or
+    `schema_info`, where the wrapper reads a static argument torch's strategy ignores). The strategy and schema
+    info are those torch has for `strategy_of(op)` (default: the op itself)."""
     ops = list(ops)
     entries = {op: _compat.snapshot_registration(strategy_of(op) if strategy_of else op) for op in ops}
     for op, entry in entries.items():  # checked before anything changes: a refusal leaves torch as it was
@@ -24,7 +26,9 @@ def wrap_strategies(
     undos = []
     for op, entry in entries.items():
         undos.append(restorer(op))
-        _compat.register_op_strategy(op, wrap(entry["op_strategy_funcs"]), schema_info=entry.get("op_to_schema_info"))
+        _compat.register_op_strategy(
+            op, wrap(entry["op_strategy_funcs"]), schema_info=schema_info or entry.get("op_to_schema_info")
+        )
     return undo_all(undos)
 
 

@@ -120,7 +120,9 @@ def test_cases_torch_got_right_keep_their_placements_and_collectives():
         dtensor_ext.install(fix_torch=False)
         try:
             torch_result = run(placements)
-        except RuntimeError:  # torch's handler feeds the kernel mismatched shapes: not a case torch got right
+        # torch's handler feeds the kernel mismatched shapes, or (2.11) its halo exchange sends a tensor simulated
+        # ranks cannot send: not a case torch got right
+        except (RuntimeError, AttributeError):
             continue
         finally:
             dtensor_ext.install()

@@ -37,8 +37,9 @@ def test_fill_on_partial_sum_is_wrong_in_torch_and_refused_when_fixed(fixed_ops,
 )
 def test_fills_torch_got_right_are_unchanged(mesh_shape, placement):
     """Shard (uneven: 5 rows on 4 ranks, 3 columns on 4), Replicate and the max/min/avg Partials: same placement,
-    same values, no collective, with and without the fix. Where torch alone refuses the in-place fill (2.11 keeps
-    no layout with an empty shard: 3 columns on 4 ranks), the fix's rule, which admits uneven shards, runs it."""
+    same values, no collective, with and without the fix (on 2.11 a single-dim rule would drop the layout with an
+    empty shard, 3 columns on 4 ranks, that torch's own strategy fills). Where torch alone refuses that in-place
+    fill, the fix runs it."""
     results = []
     for fix in (False, True):
         dtensor_ext.install(fix_torch=fix)
