@@ -17,7 +17,7 @@ import yaml
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from dtensor_ext.policy.adapter import OpChoice, Plan, _fmt, _moves, _trace_outside_simulation
+from dtensor_ext.policy.adapter import OpChoice, Plan, _differentiated, _fmt, _moves, _trace_outside_simulation
 from dtensor_ext.policy.constraints import _BoundedLoader
 from dtensor_ext.policy.derive import CandidateCache
 from dtensor_ext.policy.errors import PolicyError
@@ -47,7 +47,7 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
     if not isinstance(ops, list) or len(ops) != len(graph.nodes):
         raise PolicyError(origin, "ops", f"{len(ops)} entries" if isinstance(ops, list) else ops,
                           f"one entry per op the model runs ({len(graph.nodes)})")
-    cache = CandidateCache(mesh)
+    cache, differentiated = CandidateCache(mesh), _differentiated(graph)
     choices = []
     for node, entry in zip(graph.nodes, ops):
         where = f"{origin} op {node.index}"
@@ -69,8 +69,9 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
         texts_out = [_tokens(t, mesh, where, "outputs") for t in outputs]
         chosen_in, chosen_out = [[] for _ in inputs], [[] for _ in outputs]
         param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
+        grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
         for m in range(mesh.ndim):
-            found = cache.options(node, m, param_slots).candidates
+            found = cache.options(node, m, param_slots, grad_slots).candidates
             wanted = (tuple(t[m] for t in texts_in), tuple(t[m] for t in texts_out))
             match = next((c for c in found if (tuple(map(_short, c.inputs)), tuple(map(_short, c.outputs)))
                           == wanted), None)
