@@ -33,8 +33,9 @@ def test_training_matches_one_device_step_by_step(report):
 def test_collectives_are_counted_and_agree_with_commdebugmode(report):
     for s in report.package.steps:
         assert sum(s.collectives.values()) == s.commdebug_count > 0
-        # the dp gradient average is one bucketed all-reduce; sequence parallelism reduce-scatters
-        assert s.collectives["all_reduce"] >= 1 and s.collectives["reduce_scatter"] >= 2
+        # the dp gradient average is one bucketed all-reduce (whether sequence parallelism reduce-scatters is the
+        # solver's choice: the YAML allows the norms replicated, and the solved plan receives fewer bytes so)
+        assert s.collectives["all_reduce"] >= 1
         assert sum(s.received_bytes.values()) > 0
 
 
