@@ -23,6 +23,7 @@ import contextlib
 import heapq
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -56,9 +57,14 @@ def is_enabled() -> bool:
 
 
 def enable() -> None:
-    """Route DTensor's expansion of single-dim rules through the fast search (idempotent)."""
+    """Route DTensor's expansion of single-dim rules through the fast search (idempotent). On a torch without
+    prepared single-dim strategies (2.11) the search cannot run: torch's full expansion keeps deciding, and a
+    warning says so."""
     if is_enabled():
         return
+    if _compat.PreparedSingleDimStrategy is None:
+        warnings.warn("fast propagation needs torch's prepared single-dim strategies (torch 2.12+); on this torch "
+                      "DTensor's full expansion keeps deciding every op", stacklevel=2)
     _previous_expansion.append(_compat.single_dim_expansion())
     _compat.set_single_dim_expansion(expand_single_dim_strategy)
 
@@ -99,6 +105,8 @@ def expand_single_dim_strategy(mesh, op_schema, strategy_info, output_tensor_met
 
 def _search_applies(mesh, op_schema, strategy_info, output_tensor_meta) -> bool:
     """True where every assumption of the bound holds; otherwise torch's full expansion decides."""
+    if _compat.PreparedSingleDimStrategy is None:
+        return False
     if getattr(strategy_info, "different_mesh_args", None):
         return False
     if not _compat.rank_in_mesh(mesh):
