@@ -163,7 +163,8 @@ class Plan:
                 "inputs": [_fmt(p) for p in op.inputs], "outputs": [_fmt(p) for p in op.outputs],
                 **({"local": True} if op.local else {})} for op in self.ops]
         params = {fqn: _fmt(p) for fqn, p in self.params.items()}
-        return yaml.safe_dump({"mesh": list(self.mesh.shape), "modelled_us": self.cost_s * 1e6, "parameters": params,
+        modelled_us = round(self.cost_s * 1e6, 3)  # rounded: a pinned plan's time (us / 1e6) exports the same text
+        return yaml.safe_dump({"mesh": list(self.mesh.shape), "modelled_us": modelled_us, "parameters": params,
                                "ops": ops}, sort_keys=False)
 
     def split_spec(self) -> dict:
