@@ -17,7 +17,8 @@ import yaml
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from dtensor_ext.policy.adapter import OpChoice, Plan, _differentiated, _fmt, _moves, _trace_outside_simulation
+from dtensor_ext.policy.adapter import (OpChoice, Plan, _differentiated, _fmt, _moves, _short,
+                                       _trace_outside_simulation)
 from dtensor_ext.policy.constraints import _BoundedLoader
 from dtensor_ext.policy.derive import CandidateCache
 from dtensor_ext.policy.errors import PolicyError
@@ -135,6 +136,3 @@ def _parameter(text: object, value: torch.Tensor, mesh: DeviceMesh, where: str) 
         out.append(Replicate() if dim is None else Shard(dim))
     return tuple(out)
 
-
-def _short(p) -> str:
-    return _fmt((p,))[1:-1]

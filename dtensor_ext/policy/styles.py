@@ -40,6 +40,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from dtensor_ext.policy.adapter import _short
+
 __all__ = ["StyleChoice", "apply_styles", "held_placements", "proven_styles"]
 
 
@@ -84,14 +86,6 @@ def apply_styles(model: torch.nn.Module, plan, styles: dict[str, StyleChoice]) -
     """Parallelize each proven module with its style (before the executor distributes the other parameters)."""
     for fqn, choice in styles.items():
         parallelize_module(model.get_submodule(fqn), plan.mesh, choice.style)
-
-
-def _short(p) -> str:
-    if p.is_replicate():
-        return "R"
-    if p.is_shard():
-        return f"S({p.dim})"
-    return "P"
 
 
 def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict) -> StyleChoice | None:
