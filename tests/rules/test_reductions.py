@@ -11,7 +11,6 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
-from dtensor_ext import _compat
 from dtensor_ext._compat import NormPartial, Partial, op_strategy_rows, tensor_meta
 from dtensor_ext.rules import reductions
 from dtensor_ext.testing.checker import check_combination, check_rule, sample_tensor
@@ -165,14 +164,8 @@ def test_torch_validator_finds_no_incorrect_rule():
     # pairwise_distance runs sub and add before norm.ScalarOpt_dim: validate each of its aten ops. The validator
     # flags every row with DTensor's p-norm Partial output, also where DTensor's own full_tensor() gives the
     # one-device norm (test_norm_partial_of_a_sharded_reduced_dim): every other row must pass
-    with simulated_mesh((2,)):
-        pass  # leaves a fake world of 2 ranks initialized, which the validator needs
-    dtensor_ext.install()
-    stats = _compat.compare_operator("nn.functional.pairwise_distance", world_size=2, max_samples=4,
-                                     incorrect_only=True, dtype=torch.float64, allow_composite=True)
-    flagged = {(d.aten_op, d.output_placements) for d in stats.false_positives}
-    assert flagged <= {(aten.norm.ScalarOpt_dim, ("_NormP(2.0)",))}, flagged
-    assert stats.true_positives > 0
+    assert_torch_validator_agrees("nn.functional.pairwise_distance", allow_composite=True,
+                                  known_false_positives={(aten.norm.ScalarOpt_dim, ("_NormP(2.0)",))})
 
 
 def test_pairwise_distance_of_row_sharded_inputs_stays_local(installed):
