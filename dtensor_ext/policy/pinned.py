@@ -68,25 +68,21 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
             continue
         texts_in = [_tokens(t, mesh, where, "inputs") for t in inputs]
         texts_out = [_tokens(t, mesh, where, "outputs") for t in outputs]
-        chosen_in, chosen_out = [[] for _ in inputs], [[] for _ in outputs]
         param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
         grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
-        for m in range(mesh.ndim):
-            found = cache.options(node, m, param_slots, grad_slots).candidates
-            wanted = (tuple(t[m] for t in texts_in), tuple(t[m] for t in texts_out))
-            match = next((c for c in found if (tuple(map(_short, c.inputs)), tuple(map(_short, c.outputs)))
-                          == wanted), None)
-            if match is None:
-                runs = sorted({f"{' '.join(map(_short, c.inputs))} -> {' '.join(map(_short, c.outputs))}"
-                               for c in found})
-                raise PolicyError(where, "inputs/outputs", f"{inputs} -> {outputs}",
-                                  f"placements DTensor runs {node.signature} at without communicating on mesh dim "
-                                  f"{m}: {'; '.join(runs) or 'none (it runs local)'}")
-            for k, p in enumerate(match.inputs):
-                chosen_in[k].append(p)
-            for k, p in enumerate(match.outputs):
-                chosen_out[k].append(p)
-        choices.append(OpChoice(node, tuple(map(tuple, chosen_in)), tuple(map(tuple, chosen_out))))
+        per_dim = [[c for c in cache.options(node, m, param_slots, grad_slots).candidates
+                    if tuple(_short(p[0]) for p in c.inputs) == tuple(t[m] for t in texts_in)]
+                   for m in range(mesh.ndim)]
+        found = cache.combined(node, per_dim, param_slots, grad_slots)[0] if all(per_dim) else []
+        wanted = (tuple(texts_in), tuple(texts_out))
+        match = next((c for c in found if (tuple(tuple(map(_short, p)) for p in c.inputs),
+                                           tuple(tuple(map(_short, p)) for p in c.outputs)) == wanted), None)
+        if match is None:
+            raise PolicyError(where, "inputs/outputs", f"{inputs} -> {outputs}",
+                              f"placements DTensor runs {node.signature} at on the whole mesh without "
+                              f"communicating{': ' + '; '.join(sorted(_runs(found))) if found else ''}"
+                              f"{'' if found else ' (none with these inputs)'}")
+        choices.append(OpChoice(node, match.inputs, match.outputs))
     modelled = data.get("modelled_us", 0.0)
     if not isinstance(modelled, (int, float)) or isinstance(modelled, bool):
         raise PolicyError(origin, "modelled_us", modelled, "a number (the plan's modelled step time)")
@@ -96,6 +92,10 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
                     f"{_fmt(held)} -> {_fmt(target)}" for slot, what, held, target, _ in found]
     plan.planning_s = time.perf_counter() - start
     return plan
+
+
+def _runs(found) -> set[str]:
+    return {f"{' '.join(map(_fmt, c.inputs))} -> {' '.join(map(_fmt, c.outputs))}" for c in found}
 
 
 def _read(text: object, origin: str) -> dict:

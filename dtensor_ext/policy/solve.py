@@ -1,6 +1,7 @@
-"""The exact choice of one candidate per op (and one placement per parameter) on one mesh dim, by HiGHS.
+"""The exact choice of one candidate per op (and one placement per parameter) on the whole mesh, by HiGHS.
 
-Variables: x[v, k] = 1 when op v runs its candidate k. Each dataflow edge (a producer's output read as a consumer's
+Variables: x[v, k] = 1 when op v runs its candidate k (its placements on every mesh dim at once: one joint choice,
+no per-dim alternation). Each dataflow edge (a producer's output read as a consumer's
 input) carries a transport block y[p, q] >= 0 whose row sums equal the producer's choice of output placement p and
 whose column sums equal the consumer's choice of input placement q (with the gradient placement it sends back);
 y[p, q] costs the redistribution p -> q in forward plus the gradient's way back. With x integral the blocks are
@@ -22,14 +23,16 @@ __all__ = ["Problem", "solve"]
 
 @dataclass
 class Problem:
-    """One mesh dim's choice. `options[v]` lists op v's candidates as (inputs, outputs, grads, unary cost);
-    `edges` are (producer, output slot, consumer, operand slot, cost(p, q, g) or None where impossible)."""
+    """The whole mesh's choice. `options[v]` lists op v's candidates as (inputs, outputs, grads, unary cost),
+    each placement a tuple with one entry per mesh dim; `edges` are (producer, output slot, consumer, operand slot,
+    cost(p, q, g) or None where impossible)."""
 
     options: list[list[tuple]]
     edges: list[tuple]
     names: list[str]
-    # (cost, [(op, operand slot), ...]): paid once when any of these ops' chosen candidates sends a Partial
-    # gradient back through that slot (autograd sums the partial gradients first, DTensor then reduces once)
+    # (cost, [(op, operand slot), ...], mesh dim): paid once when any of these ops' chosen candidates sends a
+    # gradient back through that slot that is Partial on that mesh dim (autograd sums the partial gradients first,
+    # DTensor then reduces once)
     reductions: list[tuple] = field(default_factory=list)
     # (bytes per rank, {option row: bytes held per candidate}): the memory the chosen candidates hold, capped
     memory: tuple | None = None
@@ -83,9 +86,9 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
         for qg, columns in ins.items():
             ys = [block[p, qg] for p in outs if (p, qg) in block]
             rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
-    for cost, readers in problem.reductions:
+    for cost, readers, m in problem.reductions:
         sending = [first[v] + k for v, slot in readers for k, o in enumerate(problem.options[v])
-                   if o[2][slot] is not None and o[2][slot].is_partial()]
+                   if o[2][slot] is not None and o[2][slot][m].is_partial()]
         if not sending:
             continue
         paid = len(costs)
