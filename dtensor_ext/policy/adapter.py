@@ -27,7 +27,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from dtensor_ext._compat import current_local_tensor_mode
+from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks
 from dtensor_ext.policy.constraints import Constraint, load_constraints
 from dtensor_ext.policy.derive import (Candidate, CandidateCache, NodeOptions, is_inplace, local_shape,
                                       operand_tensors, splits)
@@ -432,29 +432,78 @@ STATE_COPIES = 4
 
 def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model,
             memory_budget: int | None = None):
-    """Each op's candidates on the whole mesh (proven combinations of its per-dim candidates, filtered by the
-    constraints), one exact solve over all of them (every mesh dim at once), then the per-op placements."""
+    """Each op's candidates on the whole mesh (combinations of its per-dim candidates, filtered by the
+    constraints), one exact solve over all of them (every mesh dim at once), then the per-op placements.
+
+    A combination not yet proven enters the solve as its parts predict it; each one the solve picks is then
+    proven by a fake run on the whole mesh, replaced by what DTensor did (or dropped where DTensor refuses it),
+    and the model solved again, until every pick is proven: the plan uses proven combinations only."""
     cache = CandidateCache(mesh)
-    model = cost_model.bind(tuple(mesh.shape))
     producers: dict[int, tuple[int, int]] = {}
     for node in graph.nodes:
         for o, tid in enumerate(node.output_ids):
             producers[tid] = (node.index, o)
     sources = sorted({tid for node in graph.nodes for tid in node.operand_ids if tid not in producers})
-    local: set[int] = set()
     differentiated = _differentiated(graph)
+    found = [_node_candidates(node, mesh, cache, requirements.get(node.index), graph, differentiated)
+             for node in graph.nodes]
+    candidates = [kept for kept, _, _ in found]
+    local = {node.index for node in graph.nodes if not candidates[node.index]}
+    for v in local:
+        if is_inplace(graph.nodes[v]):
+            raise PolicyError(str(graph.nodes[v]), "op", graph.nodes[v].signature,
+                              "an in-place op DTensor can run (it has no sharding rule for these inputs, and "
+                              "writing into a gathered copy would leave the original unchanged)")
+        candidates[v] = [_replicated_candidate(graph.nodes[v], found[v][1].saved, mesh.ndim)]
+    model, moves = cost_model.bind(tuple(mesh.shape)), {}
+    with outside_simulated_ranks():  # pricing runs torch's redistribution planner on plain tensors
+        while True:
+            problem, source_rows = _problem(graph, mesh, candidates, [w for _, w, _ in found], sources, producers,
+                                            model, moves, memory_budget)
+            picks, cost = solve(problem, "build_plan")
+            pending = [node for node in graph.nodes if not candidates[node.index][picks[node.index]].proven]
+            if not pending:
+                break
+            for node in pending:
+                v, k = node.index, picks[node.index]
+                proof = cache.prove(node, candidates[v][k], *found[v][2])
+                if isinstance(proof, Candidate):
+                    candidates[v][k] = proof
+                    continue
+                refused = candidates[v].pop(k)
+                if not candidates[v]:  # DTensor refuses every combination: the op runs replicated, if it may
+                    requirement = requirements.get(v)
+                    if is_inplace(node) or requirement is not None and not requirement.replica_allowed:
+                        raise _no_combination(node, requirement, mesh, refused, proof)
+                    local.add(v)
+                    candidates[v] = [_replicated_candidate(node, found[v][1].saved, mesh.ndim)]
+    params = {graph.params[tid]: problem.options[source_rows[tid]][picks[source_rows[tid]]][1][0]
+              for tid in sources if tid in graph.params}
+    ops = []
+    for node in graph.nodes:
+        chosen = candidates[node.index][picks[node.index]]
+        op = OpChoice(node, chosen.inputs, chosen.outputs, node.index in local)
+        for slot, tid in enumerate(node.operand_ids):
+            u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
+            here = problem.options[u][picks[u]][1][o]
+            if here != op.inputs[slot]:
+                what = f"%{u}" if tid in producers else graph.params.get(tid, "input")
+                op.moves.append(f"input {slot} ({what}, {list(graph.tensors[tid].shape)}): "
+                                f"{_fmt(here)} -> {_fmt(op.inputs[slot])}")
+        ops.append(op)
+    return ops, params, cost
+
+
+def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate]], work: list[NodeOptions],
+             sources: list[int], producers: dict, model, moves: dict, memory_budget: int | None):
+    """The HiGHS model: a row of options per op (its candidates), per source (a parameter's placements; inputs
+    replicated) and for the outputs (replicated); the dataflow edges with their N-D move prices; a gradient
+    reduction per value and mesh dim; the memory budget over what each choice holds."""
     options, held = [], {}
     for node in graph.nodes:
-        kept, work = _node_candidates(node, mesh, cache, requirements.get(node.index), graph, differentiated)
-        if not kept:
-            if is_inplace(node):
-                raise PolicyError(str(node), "op", node.signature,
-                                  "an in-place op DTensor can run (it has no sharding rule for these inputs, and "
-                                  "writing into a gathered copy would leave the original unchanged)")
-            local.add(node.index)
-            kept = [_replicated_candidate(node, work.saved, mesh.ndim)]
+        kept = candidates[node.index]
         # ties go to the smaller footprint: a byte held costs far less than any modelled time
-        options.append([(c.inputs, c.outputs, c.grads, _compute_s(work, c) + TIE_S_PER_BYTE * c.saved)
+        options.append([(c.inputs, c.outputs, c.grads, _compute_s(work[node.index], c) + TIE_S_PER_BYTE * c.saved)
                         for c in kept])
         held[node.index] = [c.saved for c in kept]
     source_rows = {}
@@ -466,7 +515,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
         options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / _pieces(mesh, p)) for p in places])
         if tid in graph.params:  # the parameter, its gradient and Adam's two moments, as shards
             held[source_rows[tid]] = [STATE_COPIES * nbytes / _pieces(mesh, p) for p in places]
-    edges, readers, moves = [], {}, {}
+    edges, readers = [], {}
     for node in graph.nodes:
         for slot, tid in enumerate(node.operand_ids):
             readers.setdefault(tid, []).append((node.index, slot))
@@ -484,33 +533,30 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
     names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
     reductions = [(_reduction_s(graph.tensors[tid], model, m), found, m) for tid, found in readers.items()
                   if graph.tensors[tid].is_floating_point() for m in range(mesh.ndim)]
-    problem = Problem(options, edges, names, reductions,
-                      memory=(memory_budget, held) if memory_budget is not None else None)
-    picks, cost = solve(problem, "build_plan")
-    params = {graph.params[tid]: options[source_rows[tid]][picks[source_rows[tid]]][1][0]
-              for tid in sources if tid in graph.params}
-    ops = []
-    for node in graph.nodes:
-        inputs, outputs = options[node.index][picks[node.index]][:2]
-        op = OpChoice(node, inputs, outputs, node.index in local)
-        for slot, tid in enumerate(node.operand_ids):
-            u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
-            here = options[u][picks[u]][1][o]
-            if here != op.inputs[slot]:
-                what = f"%{u}" if tid in producers else graph.params.get(tid, "input")
-                op.moves.append(f"input {slot} ({what}, {list(graph.tensors[tid].shape)}): "
-                                f"{_fmt(here)} -> {_fmt(op.inputs[slot])}")
-        ops.append(op)
-    return ops, params, cost
+    memory = (memory_budget, held) if memory_budget is not None else None
+    return Problem(options, edges, names, reductions, memory), source_rows
+
+
+def _no_combination(node: OpNode, requirement: Requirement | None, mesh: DeviceMesh, refused: Candidate,
+                    why: str) -> PolicyError:
+    """Every combination of the op's per-dim candidates was refused on the whole mesh."""
+    where, field_name, got = ((requirement.source, requirement.field, list(requirement.shown) or None)
+                              if requirement is not None else (str(node), "op", node.signature))
+    return PolicyError(where, field_name, got, f"placements DTensor runs {node.signature} at without communicating "
+                                               f"on the whole mesh {tuple(mesh.shape)}: each mesh dim has some, but "
+                                               f"DTensor refuses every combination of them (the last, inputs "
+                                               f"{', '.join(map(_fmt, refused.inputs))}: {why.rstrip('.')})")
 
 
 def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requirement: Requirement | None,
-                     graph: GraphView, differentiated: set[int]) -> tuple[list[Candidate], NodeOptions]:
-    """The op's candidates on the whole mesh and its one-device work. Per mesh dim, DTensor's candidates there,
-    filtered by the constraint where it applies to that dim; then every combination of one survivor per dim that
-    DTensor proves on the whole mesh. A combination that communicates on the whole mesh communicates in some
-    dim's part of it too (DTensor builds its N-D strategies as products of per-dim ones), so combining survivors
-    only loses the rare combination DTensor accepts on the mesh but not one dim at a time."""
+                     graph: GraphView, differentiated: set[int]) -> tuple[list[Candidate], NodeOptions, tuple]:
+    """The op's candidates on the whole mesh, its one-device work, and its (parameter, differentiated) operand
+    slots. Per mesh dim, DTensor's candidates there, filtered by the constraint where it applies to that dim; then
+    every combination of one survivor per dim (CandidateCache.combined). A combination DTensor runs on the whole
+    mesh without communicating also runs, dim by dim, on each dim's part of it for the ops whose N-D strategies
+    DTensor builds as products of per-dim ones (single-dim rules, expanded op strategies): for those, combining
+    survivors loses nothing. An op whose N-D strategies are not such a product can lose a combination it accepts
+    on the mesh but not one dim at a time."""
     param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
     grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
     per_dim = []
@@ -522,18 +568,11 @@ def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requ
             if not kept and not (requirement.replica_allowed and not found.candidates):
                 raise _unmet(node, requirement, found, mesh, m)
         per_dim.append(kept)
-        if m == 0:
-            work = found
+    work = cache.options(node, 0, param_slots, grad_slots)
+    slots = (param_slots, grad_slots)
     if not all(per_dim):
-        return [], work
-    candidates, refused = cache.combined(node, per_dim, param_slots, grad_slots)
-    if not candidates and requirement is not None and not requirement.replica_allowed:
-        combo, why = next(iter(refused.items()))
-        raise PolicyError(requirement.source, requirement.field, list(requirement.shown) or None,
-                          f"a partition DTensor runs without communicating on the whole mesh {tuple(mesh.shape)}: "
-                          f"each dim has one, but none of their {len(refused)} combinations runs there (e.g. "
-                          f"inputs {', '.join(map(_fmt, combo))}: {why.rstrip('.')})")
-    return candidates, work
+        return [], work, slots
+    return cache.combined(node, per_dim, param_slots, grad_slots, work.saved), work, slots
 
 
 def _differentiated(graph: GraphView) -> set[int]:

@@ -46,6 +46,9 @@ class Candidate:
     grads: tuple  # placements of each operand's gradient (None: no gradient)
     shards: int  # the pieces the op's work is split into: the product of the ranks of the dims it shards on
     saved: int = 0  # bytes a rank holds for backward (autograd's saved tensors, parameters aside)
+    # False: a combination of proven per-dim candidates, its placements and bytes predicted from theirs; it is
+    # proven (CandidateCache.prove) before a plan may use it
+    proven: bool = True
 
     @property
     def replicated(self) -> bool:
@@ -136,32 +139,39 @@ class CandidateCache:
         return self.cache[key]
 
     def combined(self, node: OpNode, per_dim: list[list[Candidate]], param_operands: frozenset[int],
-                 grad_operands: frozenset[int]) -> tuple[list[Candidate], dict]:
+                 grad_operands: frozenset[int], saved: int) -> list[Candidate]:
         """The whole mesh's candidates: every combination of one candidate per mesh dim (`per_dim[m]`, as
-        `options` found and the constraints kept them) that DTensor runs forward and backward on the whole mesh
-        without communicating, with the placements it produced there; and why the others were refused. On a 1-D
-        mesh a dim's candidates were found on the whole mesh: they are the answer as they are."""
+        `options` found and the constraints kept them) that DTensor has not refused on the whole mesh. A
+        combination already proven comes with the placements DTensor produced there; one not yet proven is
+        predicted from its parts (`proven=False`: each dim's placements as found on that dim, its work split by
+        every dim that splits it, its saved bytes `saved` (one device's) times each dim's share). On a 1-D mesh a
+        dim's candidates were found on the whole mesh: they are the answer as they are."""
         if self.mesh.ndim == 1:
-            return list(per_dim[0]), {}
-        combos = [tuple(tuple(c.inputs[k][0] for c in picked) for k in range(len(picked[0].inputs)))
-                  for picked in itertools.product(*per_dim)]
-        results: dict[tuple, Candidate | str] = {}
-        missing = []
-        for combo in dict.fromkeys(combos):
-            key = self._key(("mesh", tuple(self.mesh.shape), combo), 0, node, param_operands, grad_operands)
-            if key is not None and key in self.cache:
-                results[combo] = self.cache[key]
-            else:
-                missing.append((combo, key))
-        if missing:
-            proven = prove_combinations(node, self.mesh, [combo for combo, _ in missing], param_operands,
-                                        grad_operands)
-            for (combo, key), found in zip(missing, proven):
-                results[combo] = found
-                if key is not None:
-                    self.cache[key] = found
-        candidates = [r for r in results.values() if isinstance(r, Candidate)]
-        return candidates, {combo: r for combo, r in results.items() if not isinstance(r, Candidate)}
+            return list(per_dim[0])
+        found = []
+        for picked in itertools.product(*per_dim):
+            combo = tuple(tuple(c.inputs[k][0] for c in picked) for k in range(len(picked[0].inputs)))
+            known = self.cache.get(self._proof_key(node, combo, param_operands, grad_operands))
+            if isinstance(known, Candidate):
+                found.append(known)
+            elif known is None:
+                found.append(_predicted(picked, combo, saved))
+        return found
+
+    def prove(self, node: OpNode, candidate: Candidate, param_operands: frozenset[int],
+              grad_operands: frozenset[int]) -> Candidate | str:
+        """One fake run of `candidate`'s input placements on the whole mesh: the Candidate DTensor runs it as
+        (forward and backward without communicating), or why it is refused. Kept for the process."""
+        key = self._proof_key(node, candidate.inputs, param_operands, grad_operands)
+        if key is None or key not in self.cache:
+            found = prove_combinations(node, self.mesh, [candidate.inputs], param_operands, grad_operands)[0]
+            if key is None:
+                return found
+            self.cache[key] = found
+        return self.cache[key]
+
+    def _proof_key(self, node: OpNode, combo: tuple, param_operands, grad_operands) -> tuple | None:
+        return self._key(("mesh", tuple(self.mesh.shape), combo), 0, node, param_operands, grad_operands)
 
     @staticmethod
     def _key(kind, size: int, node: OpNode, param_operands, grad_operands) -> tuple | None:
@@ -221,6 +231,16 @@ def _fake_runs(operands):
             yield [fake.from_tensor(t) for t in operands]
         finally:
             clear_sharding_caches()
+
+
+def _predicted(picked: tuple[Candidate, ...], combo: tuple, saved: int) -> Candidate:
+    """A combination of per-dim candidates as their parts predict it (not proven)."""
+    def joined(field):
+        return tuple(None if any(getattr(c, field)[k] is None for c in picked) else
+                     tuple(getattr(c, field)[k][0] for c in picked) for k in range(len(getattr(picked[0], field))))
+    share = math.prod(c.saved / saved for c in picked) if saved else 0.0
+    return Candidate(combo, joined("outputs"), joined("grads"), math.prod(c.shards for c in picked),
+                     int(saved * share), proven=False)
 
 
 def _on_dim(c: Candidate, mesh_dim: int) -> Candidate:

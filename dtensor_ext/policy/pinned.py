@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from dtensor_ext.policy.adapter import (OpChoice, Plan, _differentiated, _fmt, _moves, _short,
                                        _trace_outside_simulation)
 from dtensor_ext.policy.constraints import _BoundedLoader
-from dtensor_ext.policy.derive import CandidateCache
+from dtensor_ext.policy.derive import CandidateCache, local_shape
 from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["load_plan"]
@@ -70,18 +70,19 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
         texts_out = [_tokens(t, mesh, where, "outputs") for t in outputs]
         param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
         grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
-        per_dim = [[c for c in cache.options(node, m, param_slots, grad_slots).candidates
-                    if tuple(_short(p[0]) for p in c.inputs) == tuple(t[m] for t in texts_in)]
-                   for m in range(mesh.ndim)]
+        every = [cache.options(node, m, param_slots, grad_slots).candidates for m in range(mesh.ndim)]
+        per_dim = [[c for c in found if tuple(_short(p[0]) for p in c.inputs) == tuple(t[m] for t in texts_in)]
+                   for m, found in enumerate(every)]
         found = cache.combined(node, per_dim, param_slots, grad_slots)[0] if all(per_dim) else []
         wanted = (tuple(texts_in), tuple(texts_out))
         match = next((c for c in found if (tuple(tuple(map(_short, p)) for p in c.inputs),
                                            tuple(tuple(map(_short, p)) for p in c.outputs)) == wanted), None)
         if match is None:
+            runs = [f"mesh dim {m}: {'; '.join(sorted(_runs(found))) or 'none (it runs local)'}"
+                    for m, found in enumerate(every)]
             raise PolicyError(where, "inputs/outputs", f"{inputs} -> {outputs}",
-                              f"placements DTensor runs {node.signature} at on the whole mesh without "
-                              f"communicating{': ' + '; '.join(sorted(_runs(found))) if found else ''}"
-                              f"{'' if found else ' (none with these inputs)'}")
+                              f"placements DTensor runs {node.signature} at without communicating, on the whole "
+                              f"mesh (combining what it runs per dim, {' | '.join(runs)})")
         choices.append(OpChoice(node, match.inputs, match.outputs))
     modelled = data.get("modelled_us", 0.0)
     if not isinstance(modelled, (int, float)) or isinstance(modelled, bool):
@@ -95,7 +96,8 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
 
 
 def _runs(found) -> set[str]:
-    return {f"{' '.join(map(_fmt, c.inputs))} -> {' '.join(map(_fmt, c.outputs))}" for c in found}
+    return {f"{' '.join(map(_short, (p[0] for p in c.inputs)))} -> {' '.join(map(_short, (p[0] for p in c.outputs)))}"
+            for c in found}
 
 
 def _read(text: object, origin: str) -> dict:
@@ -124,15 +126,12 @@ def _tokens(text: object, mesh: DeviceMesh, where: str, field_name: str) -> tupl
 
 
 def _parameter(text: object, value: torch.Tensor, mesh: DeviceMesh, where: str) -> tuple:
-    """A parameter's placements: Replicate, or Shard on a dim the mesh dim's ranks split evenly (what the solve
-    offers)."""
-    out = []
-    for m, token in enumerate(_tokens(text, mesh, where, "parameters")):
-        dim = int(token[2:-1]) if token.startswith("S") else None
-        if token == "P" or dim is not None and not (dim < value.ndim and value.shape[dim] % mesh.size(m) == 0
-                                                    and value.shape[dim] >= mesh.size(m)):
-            raise PolicyError(where, "parameters", text, f"R or S(<dim>) on a dim of {list(value.shape)} that "
-                                                         f"{mesh.size(m)} ranks split evenly, on mesh dim {m}")
-        out.append(Replicate() if dim is None else Shard(dim))
-    return tuple(out)
-
+    """A parameter's placements: per mesh dim Replicate or Shard, splitting the tensor evenly over the ranks (what
+    the solve offers)."""
+    tokens = _tokens(text, mesh, where, "parameters")
+    out = tuple(Replicate() if t == "R" else Shard(int(t[2:-1])) if t != "P" else None for t in tokens)
+    if None in out or any(p.dim >= value.ndim for p in out if p.is_shard()) or local_shape(
+            value.shape, tuple(mesh.shape), out) is None:
+        raise PolicyError(where, "parameters", text, f"R or S(<dim>) per mesh dim, splitting {list(value.shape)} "
+                                                     f"evenly over the ranks of mesh {tuple(mesh.shape)}")
+    return out
