@@ -515,7 +515,7 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
         options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / _pieces(mesh, p)) for p in places])
         if tid in graph.params:  # the parameter, its gradient and Adam's two moments, as shards
             held[source_rows[tid]] = [STATE_COPIES * nbytes / _pieces(mesh, p) for p in places]
-    edges, readers = [], {}
+    edges, readers, copies = [], {}, {}
     for node in graph.nodes:
         for slot, tid in enumerate(node.operand_ids):
             readers.setdefault(tid, []).append((node.index, slot))
@@ -523,6 +523,8 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
             price = _pricer(graph.tensors[tid], model, mesh, moves)
             if slot == 0 and is_inplace(node):
                 price = _unmoved(price)
+            if tid in graph.params and memory_budget is not None:  # a moved parameter is saved as a copy
+                copies[len(edges)] = [c.param_saved[slot] if c.param_saved else 0 for c in candidates[node.index]]
             edges.append((u, o, node.index, slot, price))
     sink = len(options)
     options.append([(((Replicate(),) * mesh.ndim,), (), (None,), 0.0)])
@@ -534,7 +536,7 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
     reductions = [(_reduction_s(graph.tensors[tid], model, m), found, m) for tid, found in readers.items()
                   if graph.tensors[tid].is_floating_point() for m in range(mesh.ndim)]
     memory = (memory_budget, held) if memory_budget is not None else None
-    return Problem(options, edges, names, reductions, memory), source_rows
+    return Problem(options, edges, names, reductions, memory, copies), source_rows
 
 
 def _no_combination(node: OpNode, requirement: Requirement | None, mesh: DeviceMesh, refused: Candidate,

@@ -46,6 +46,9 @@ class Candidate:
     grads: tuple  # placements of each operand's gradient (None: no gradient)
     shards: int  # the pieces the op's work is split into: the product of the ranks of the dims it shards on
     saved: int = 0  # bytes a rank holds for backward (autograd's saved tensors, parameters aside)
+    # per operand: the bytes of it a rank saves for backward where it is a parameter (the parameter itself, no
+    # cost, unless the plan moves it first: then the moved copy is held)
+    param_saved: tuple = ()
     # False: a combination of proven per-dim candidates, its placements and bytes predicted from theirs; it is
     # proven (CandidateCache.prove) before a plan may use it
     proven: bool = True
@@ -149,13 +152,14 @@ class CandidateCache:
         if self.mesh.ndim == 1:
             return list(per_dim[0])
         found = []
+        operand_bytes = [t.numel() * t.element_size() for t in operand_tensors(node)]
         for picked in itertools.product(*per_dim):
             combo = tuple(tuple(c.inputs[k][0] for c in picked) for k in range(len(picked[0].inputs)))
             known = self.cache.get(self._proof_key(node, combo, param_operands, grad_operands))
             if isinstance(known, Candidate):
                 found.append(known)
             elif known is None:
-                found.append(_predicted(picked, combo, saved))
+                found.append(_predicted(picked, combo, saved, operand_bytes))
         return found
 
     def prove(self, node: OpNode, candidate: Candidate, param_operands: frozenset[int],
@@ -233,14 +237,17 @@ def _fake_runs(operands):
             clear_sharding_caches()
 
 
-def _predicted(picked: tuple[Candidate, ...], combo: tuple, saved: int) -> Candidate:
+def _predicted(picked: tuple[Candidate, ...], combo: tuple, saved: int, operand_bytes: list[int]) -> Candidate:
     """A combination of per-dim candidates as their parts predict it (not proven)."""
     def joined(field):
         return tuple(None if any(getattr(c, field)[k] is None for c in picked) else
                      tuple(getattr(c, field)[k][0] for c in picked) for k in range(len(getattr(picked[0], field))))
     share = math.prod(c.saved / saved for c in picked) if saved else 0.0
+    # a parameter an op saves: each dim's shard of it as that dim's share of the whole, as for `saved`
+    param_saved = tuple(int(whole * math.prod(c.param_saved[k] / whole for c in picked)) if whole else 0
+                        for k, whole in enumerate(operand_bytes)) if picked[0].param_saved else ()
     return Candidate(combo, joined("outputs"), joined("grads"), math.prod(c.shards for c in picked),
-                     int(saved * share), proven=False)
+                     int(saved * share), param_saved, proven=False)
 
 
 def _on_dim(c: Candidate, mesh_dim: int) -> Candidate:
@@ -248,7 +255,7 @@ def _on_dim(c: Candidate, mesh_dim: int) -> Candidate:
     def one(placements):
         return None if placements is None else (placements[mesh_dim],)
     return Candidate(tuple(map(one, c.inputs)), tuple(map(one, c.outputs)), tuple(map(one, c.grads)), c.shards,
-                     c.saved)
+                     c.saved, c.param_saved)
 
 
 def _quiet_fake_kernels():
@@ -263,12 +270,16 @@ class _SavedBytes:
     def __init__(self, params: list[torch.Tensor]):
         self.params = {id(p) for p in params}
         self.total = 0
+        self.of_params: dict[int, int] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):
-        if id(t) not in self.params and id(t._base) not in self.params:  # a parameter, or a view of one
-            local = t._local_tensor if isinstance(t, DTensor) else t
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        param = id(t) if id(t) in self.params else id(t._base) if id(t._base) in self.params else None
+        if param is None:
             self.total += local.numel() * local.element_size()
+        else:  # a parameter, or a view of one
+            self.of_params[param] = self.of_params.get(param, 0) + local.numel() * local.element_size()
         return t
 
 
@@ -347,7 +358,8 @@ def _try(node: OpNode, mesh, operands, fakes, combo, grad_operands, param_operan
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
     shards = math.prod(mesh.size(m) for m in range(mesh.ndim)
                        if any(splits(p[m]) for p in (*combo, *placements)))
-    return Candidate(tuple(map(tuple, combo)), placements, grads, shards, saved.total)
+    param_saved = tuple(saved.of_params.get(id(t), 0) for t in inputs)
+    return Candidate(tuple(map(tuple, combo)), placements, grads, shards, saved.total, param_saved)
 
 
 def _backward(outs, dts, mesh):

@@ -36,6 +36,9 @@ class Problem:
     reductions: list[tuple] = field(default_factory=list)
     # (bytes per rank, {option row: bytes held per candidate}): the memory the chosen candidates hold, capped
     memory: tuple | None = None
+    # {edge index: bytes per candidate of its consumer}: what the consumer holds for backward when the edge's value
+    # reaches it moved (a parameter saved as a gathered copy instead of itself), counted in the memory budget
+    copies: dict = field(default_factory=dict)
 
 
 def _quiet_highs(highspy):
@@ -66,19 +69,24 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
     rows: list[tuple[float, list[int], list[float]]] = []  # (rhs, columns, coefficients)
     for v, opts in enumerate(problem.options):
         rows.append((1.0, list(range(first[v], first[v] + len(opts))), [1.0] * len(opts)))
-    for u, slot_out, v, slot_in, price in problem.edges:
+    copied: list[tuple[int, float]] = []  # (transport column, bytes a rank holds when that move is chosen)
+    for e, (u, slot_out, v, slot_in, price) in enumerate(problem.edges):
         outs: dict = {}
         for k, o in enumerate(problem.options[u]):
             outs.setdefault(o[1][slot_out], []).append(first[u] + k)
         ins: dict = {}
+        copies = problem.copies.get(e)
         for k, o in enumerate(problem.options[v]):
-            ins.setdefault((o[0][slot_in], o[2][slot_in]), []).append(first[v] + k)
+            ins.setdefault((o[0][slot_in], o[2][slot_in], copies[k] if copies else 0),
+                           []).append(first[v] + k)
         block = {}
         for p in outs:
-            for q, g in ins:
+            for q, g, nbytes in ins:
                 cost = price(p, q, g)
                 if cost is not None:  # an impossible move gets no variable: the pair cannot be chosen together
-                    block[p, (q, g)] = len(costs)
+                    block[p, (q, g, nbytes)] = len(costs)
+                    if nbytes and p != q:
+                        copied.append((len(costs), nbytes))
                     costs.append(cost)
         for p, columns in outs.items():
             ys = [block[p, qg] for qg in ins if (p, qg) in block]
@@ -98,7 +106,8 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
     if problem.memory is not None:
         cap, held = problem.memory
         columns = [first[v] + k for v, sizes in held.items() for k in range(len(sizes))]
-        rows.append(("cap", columns, [b for sizes in held.values() for b in sizes]))
+        rows.append(("cap", columns + [c for c, _ in copied],
+                     [b for sizes in held.values() for b in sizes] + [b for _, b in copied]))
     n = len(costs)
     h.addVars(n, np.zeros(n), np.ones(n))
     h.changeColsCost(n, np.arange(n), np.array(costs, dtype=float))
