@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from dtensor_ext.policy.adapter import (OpChoice, Plan, _differentiated, _fmt, _moves, _short,
                                        _trace_outside_simulation)
 from dtensor_ext.policy.constraints import _BoundedLoader
-from dtensor_ext.policy.derive import CandidateCache, local_shape
+from dtensor_ext.policy.derive import Candidate, CandidateCache, local_shape
 from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["load_plan"]
@@ -73,7 +73,9 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
         every = [cache.options(node, m, param_slots, grad_slots).candidates for m in range(mesh.ndim)]
         per_dim = [[c for c in found if tuple(_short(p[0]) for p in c.inputs) == tuple(t[m] for t in texts_in)]
                    for m, found in enumerate(every)]
-        found = cache.combined(node, per_dim, param_slots, grad_slots)[0] if all(per_dim) else []
+        offered = cache.combined(node, per_dim, param_slots, grad_slots, 0) if all(per_dim) else []
+        proofs = [c if c.proven else cache.prove(node, c, param_slots, grad_slots) for c in offered]
+        found = [c for c in proofs if isinstance(c, Candidate)]
         wanted = (tuple(texts_in), tuple(texts_out))
         match = next((c for c in found if (tuple(tuple(map(_short, p)) for p in c.inputs),
                                            tuple(tuple(map(_short, p)) for p in c.outputs)) == wanted), None)
