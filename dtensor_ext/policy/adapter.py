@@ -471,6 +471,10 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                     candidates[v][k] = proof
                     continue
                 refused = candidates[v].pop(k)
+                # the op's parts do not predict it on the whole mesh: prove all its combinations now, rather than
+                # one refusal per solve
+                proofs = [c if c.proven else cache.prove(node, c, *found[v][2]) for c in candidates[v]]
+                candidates[v] = [c for c in proofs if isinstance(c, Candidate)]
                 if not candidates[v]:  # DTensor refuses every combination: the op runs replicated, if it may
                     requirement = requirements.get(v)
                     if is_inplace(node) or requirement is not None and not requirement.replica_allowed:
