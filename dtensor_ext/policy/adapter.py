@@ -21,7 +21,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -437,7 +437,8 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
 
     A combination not yet proven enters the solve as its parts predict it; each one the solve picks is then
     proven by a fake run on the whole mesh, replaced by what DTensor did (or dropped where DTensor refuses it),
-    and the model solved again, until every pick is proven: the plan uses proven combinations only."""
+    and the model solved again, until every pick is proven: the plan uses proven combinations only. Where every
+    proof is what its parts predicted, the model is unchanged and its optimum stands: no new solve."""
     cache = CandidateCache(mesh)
     producers: dict[int, tuple[int, int]] = {}
     for node in graph.nodes:
@@ -462,14 +463,16 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                                             model, moves, memory_budget)
             picks, cost = solve(problem, "build_plan")
             pending = [node for node in graph.nodes if not candidates[node.index][picks[node.index]].proven]
-            if not pending:
-                break
+            changed = False
             for node in pending:
                 v, k = node.index, picks[node.index]
                 proof = cache.prove(node, candidates[v][k], *found[v][2])
                 if isinstance(proof, Candidate):
+                    # a proof that is its prediction leaves the model as it was: the picks stay optimal
+                    changed |= proof != replace(candidates[v][k], proven=True)
                     candidates[v][k] = proof
                     continue
+                changed = True
                 refused = candidates[v].pop(k)
                 # the op's parts do not predict it on the whole mesh: prove all its combinations now, rather than
                 # one refusal per solve
@@ -481,6 +484,8 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                         raise _no_combination(node, requirement, mesh, refused, proof)
                     local.add(v)
                     candidates[v] = [_replicated_candidate(node, found[v][1].saved, mesh.ndim)]
+            if not changed:
+                break
     params = {graph.params[tid]: problem.options[source_rows[tid]][picks[source_rows[tid]]][1][0]
               for tid in sources if tid in graph.params}
     ops = []

@@ -105,3 +105,32 @@ def test_a_combination_each_dim_runs_is_proven_on_the_whole_mesh_before_use():
 class _QK(nn.Module):
     def forward(self, q, k):
         return torch.matmul(q, k.transpose(2, 3))
+
+
+def test_proofs_that_match_their_prediction_cost_no_second_solve(monkeypatch):
+    """Every pick of a linear-relu-linear on 2x2 is a combination whose proof is what its parts predicted: the model
+    after the proofs is the one just solved, so it is solved once, and the plan is the one a second solve gives."""
+    from dtensor_ext.policy import adapter, derive
+
+    solves = []
+
+    def counted(problem, where):
+        picks, cost = real(problem, where)
+        solves.append((picks, cost))
+        return picks, cost
+
+    real = adapter.solve
+    monkeypatch.setattr(adapter, "solve", counted)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    x = torch.randn(8, 16)
+    budget = STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters()) // 2  # forces sharding
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+        derive._FOUND.clear()
+        plan = build_plan(model, mesh, (x,), memory_budget=budget)
+        assert len(solves) == 1 and any(not all(p.is_replicate() for p in placements)
+                                        for placements in plan.params.values())
+        _assert_every_choice_proven(plan, mesh)
+        # every pick now proven: solved again, the model gives the same optimum and the same picks
+        again = build_plan(model, mesh, (x,), memory_budget=budget)
+    assert len(solves) == 2 and solves[1] == solves[0]
+    assert [op.inputs for op in again.ops] == [op.inputs for op in plan.ops]
