@@ -625,14 +625,16 @@ def _compute_s(found: NodeOptions, c: Candidate) -> float:
 def _pricer(value: torch.Tensor, model, mesh: DeviceMesh, moves: dict):
     """cost(p, q, g): move the producer's placements p to the consumer's q (the steps DTensor's redistribution
     takes for the whole N-D move, priced by the cost model), then the gradient g back to p; None where DTensor
-    cannot (into Partial, or a move its planner refuses). `moves` caches the prices by shape and placements."""
+    cannot (into Partial, or a move its planner refuses). `moves` caches the prices by shape and placements: the
+    moves, and each (p, q, g) (the edges of repeated layers and of same-shaped values ask for the same ones)."""
+    shape, floating = (tuple(value.shape), value.dtype), value.is_floating_point()
 
     def move(src, dst) -> float | None:
         if src == dst:
             return 0.0
         if any(d.is_partial() and s != d for s, d in zip(src, dst)):
             return None  # DTensor only makes Partial values inside ops, never by redistributing to them
-        key = (tuple(value.shape), value.dtype, src, dst)
+        key = (shape, src, dst)
         if key not in moves:
             try:
                 moves[key] = sum(step.time_s for step in _collectives(mesh, value, src, dst, model))
@@ -640,14 +642,20 @@ def _pricer(value: torch.Tensor, model, mesh: DeviceMesh, moves: dict):
                 moves[key] = None
         return moves[key]
 
-    def price(p, q, g) -> float | None:
+    def both_ways(p, q, g) -> float | None:
         forward = move(p, q)
-        if forward is None or g is None or not value.is_floating_point():
+        if forward is None or g is None or not floating:
             return forward
         back_to = tuple(Replicate() if x.is_partial() else x for x in p)
         # a Partial gradient is reduced once for all readers (see _reduction_s): only the rest moves here
         back = move(tuple(b if x.is_partial() else x for x, b in zip(g, back_to)), back_to)
         return None if back is None else forward + back
+
+    def price(p, q, g) -> float | None:
+        key = (shape, p, q, g)
+        if key not in moves:
+            moves[key] = both_ways(p, q, g)
+        return moves[key]
 
     return price
 
