@@ -27,7 +27,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks
+from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
 from dtensor_ext.policy.constraints import Constraint, load_constraints
 from dtensor_ext.policy.derive import (Candidate, CandidateCache, NodeOptions, is_inplace, local_shape,
                                       operand_tensors, splits)
@@ -457,7 +457,9 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                               "writing into a gathered copy would leave the original unchanged)")
         candidates[v] = [_replicated_candidate(graph.nodes[v], found[v][1].saved, mesh.ndim)]
     model, moves = cost_model.bind(tuple(mesh.shape)), {}
-    with outside_simulated_ranks():  # pricing runs torch's redistribution planner on plain tensors
+    # pricing runs torch's redistribution planner on plain tensors; its warnings about the moves it finds
+    # suboptimal are about moves merely priced here
+    with outside_simulated_ranks(), quiet_redistribute_warnings():
         while True:
             problem, source_rows = _problem(graph, mesh, candidates, [w for _, w, _ in found], sources, producers,
                                             model, moves, memory_budget)
