@@ -126,6 +126,7 @@ class CandidateCache:
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
         self.cache = _FOUND
+        self.one_dim: dict[int, tuple[DeviceMesh, int]] = {}  # each mesh dim's 1-D mesh, made once (not per op)
 
     def options(self, node: OpNode, mesh_dim: int, param_operands: frozenset[int],
                 grad_operands: frozenset[int]) -> NodeOptions:
@@ -190,8 +191,10 @@ class CandidateCache:
         names = self.mesh.mesh_dim_names
         if self.mesh.ndim == 1 or not names:
             return self.mesh, mesh_dim
-        with outside_simulated_ranks():
-            return self.mesh[names[mesh_dim]], 0
+        if mesh_dim not in self.one_dim:
+            with outside_simulated_ranks():
+                self.one_dim[mesh_dim] = self.mesh[names[mesh_dim]], 0
+        return self.one_dim[mesh_dim]
 
 
 def enumerate_candidates(node: OpNode, mesh: DeviceMesh, mesh_dim: int, param_operands: frozenset[int],
