@@ -9,7 +9,7 @@ package's protocol instead:
 
 * a decision recorded in the calibration file for this choice (same name, implementation fingerprint, input
   shapes, dtype, backend and world size) is reused: rank 0 reads the file and hands its decision to every rank
-  through the job's key-value store, and nothing is benchmarked. A record of a failure, of another version of the
+  through the job's key-value store (at the start barrier at the latest), and nothing is benchmarked. A record of a failure, of another version of the
   choice, or an unreadable file is ignored (with a warning for the last two) and the choice is benchmarked;
 * the choice is compiled first, then a start barrier through the store, bounded by ``timeout_s`` (a rank that is
   late, stalled or failed to compile does not hang the others; nobody enters the choice's collectives unless
@@ -144,25 +144,16 @@ class CollectiveBenchmarker:
         return ms
 
     def _read_back(self, store, prefix: str, rank: int, key: str, label: str, implementation: str | None) -> str | None:
-        """The decision recorded for this choice, taken by rank 0 from its calibration file and read by every rank
-        from the store; None (benchmark it) when rank 0 has none. Ranks without a calibration file do not wait for
-        rank 0's answer: a recorded decision reaches them at the start barrier."""
+        """The decision recorded for this choice, taken by rank 0 from its calibration file; None (benchmark it)
+        when there is none. The other ranks do not wait for rank 0 here (ranks reach a choice seconds apart while
+        compiling): a decision rank 0 already took saves them compiling the choice, a later one reaches them at the
+        start barrier."""
         if rank == 0:
             seconds = self._lookup(key, label, implementation) if self.calibration is not None else None
-            decision = None if seconds is None else _decide(store, prefix, f"{seconds!r} {RECORDED}")
-            store.set(f"{prefix}/looked_up", "1")
-            return decision
-        if self.calibration is None:
-            return None
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            if store.check([f"{prefix}/decision"]):
-                return store.get(f"{prefix}/decision").decode()
-            if store.check([f"{prefix}/looked_up"]):
-                return None
-            if time.monotonic() > deadline:
-                return _decide(store, prefix, f"{FAILED}: rank 0 did not read the calibration file in time")
-            time.sleep(_POLL_S)
+            return None if seconds is None else _decide(store, prefix, f"{seconds!r} {RECORDED}")
+        if store.check([f"{prefix}/decision"]):
+            return store.get(f"{prefix}/decision").decode()
+        return None
 
     def _lookup(self, key: str, label: str, implementation: str | None) -> float | None:
         """Seconds recorded for this exact choice, or None; a record that cannot be trusted is ignored with a
