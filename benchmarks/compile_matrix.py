@@ -71,8 +71,16 @@ def _cell(rank: int, scenario: str, backend: str, package: bool) -> tuple:
             torch.compile(model, backend=counting)(torch.randint(0, config.vocab_size, (2, 8))).sum().backward()
         seconds = time.perf_counter() - start
     except Exception as exc:
-        return "fails: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0][:80], len(graphs), None
+        return _failure(exc), len(graphs), None
     return "ok", len(graphs), seconds
+
+
+def _failure(exc: BaseException) -> str:
+    """'fails: ' and the first line of the error that says what went wrong (dynamo's wrappers put a header line such
+    as "backend='aot_eager' raised:" or "RuntimeError when making fake tensor call" first)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    header = lines[0].endswith("raised:") or lines[0].endswith("fake tensor call")
+    return "fails: " + (lines[1] if header and len(lines) > 1 else lines[0])[:100]
 
 
 def _all_dtensor_llama(backend, graphs: list) -> tuple:
@@ -95,7 +103,7 @@ def _all_dtensor_llama(backend, graphs: list) -> tuple:
         seconds = time.perf_counter() - start
         wrong = mismatches((_plain(loss).detach(), gradients(model)), expected)
     except Exception as exc:
-        return "fails: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0][:80], len(graphs), None
+        return _failure(exc), len(graphs), None
     if wrong:
         return f"wrong: {len(wrong)} values differ from one device, first {wrong[0]}", len(graphs), seconds
     return "ok", len(graphs), seconds
