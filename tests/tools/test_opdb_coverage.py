@@ -345,6 +345,7 @@ _ONCE_WORSE = [
     ("nn.functional.pixel_shuffle", 0, "2x2", [(Shard(2), Shard(3))]),  # H and W sharded, chunks aligned
     ("nn.functional.pixel_shuffle", 1, "2x2", [(Shard(0), Shard(3))]),
     ("nn.functional.pixel_shuffle", 0, "1d4", [(Shard(1),)]),
+    ("nn.functional.pixel_unshuffle", 0, "1d4", [(Shard(2),)]),
 ]
 
 
