@@ -315,6 +315,9 @@ def _compare(got: Any, expected: Any, layout: torch.Tensor) -> tuple[str, str | 
         if isinstance(e, torch.Tensor):
             if not isinstance(g, DTensor):
                 return "other", f"output {i} is a {type(g).__name__}, not a DTensor"
+            misshapen = _misshapen_piece(g, layout)
+            if misshapen is not None:
+                return "wrong", f"output {i}: {misshapen}"
             try:
                 full = g.full_tensor()
             except Exception as err:
@@ -333,6 +336,22 @@ def _compare(got: Any, expected: Any, layout: torch.Tensor) -> tuple[str, str | 
         elif isinstance(g, DTensor) or not _same(g, e):
             return "wrong", f"output {i}: {g!r} != expected {e!r}"
     return "correct", None
+
+
+def _misshapen_piece(g: DTensor, layout: torch.Tensor) -> str | None:
+    """Where some rank's local piece has another shape than the output's placements give it: the DTensor is
+    malformed even if full_tensor() looks right (its gather trims each piece to the expected length, so a junk
+    element on a rank that should hold none is dropped there, and read by the next op, a sum, say)."""
+    local = g._local_tensor
+    if not isinstance(local, LocalTensor):
+        return None
+    values = local_values(local)
+    coordinates = list(itertools.product(*(range(n) for n in layout.shape)))
+    for coordinate, shape in zip(coordinates, _compat.local_shapes(g.shape, layout.shape, g.placements)):
+        rank = int(layout[coordinate])
+        if tuple(values[rank].shape) != tuple(shape):
+            return f"rank {rank} holds a piece of shape {tuple(values[rank].shape)}, its placements give {tuple(shape)}"
+    return None
 
 
 def _communication_free(case: _Case, placements, mesh_shape, coords, layout) -> bool:

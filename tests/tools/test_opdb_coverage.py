@@ -309,3 +309,73 @@ def test_communication_against_torch_alone_is_reported_per_op():
     assert {op for m in ("1d4", "2x2") for op in result["results"][m]["with"]["ops"]["correct"]} == {
         "aminmax", "nn.functional.pairwise_distance", "add"}
     assert "ops moving more than torch alone (runs correct both ways): 0" in format_report(result)
+
+
+def _both_ways(label: str, index: int, mesh_name: str, placements) -> dict[str, tuple]:
+    """(outcome, reason, (collectives, payload bytes)) of one OpInfo sample under one input sharding, torch alone
+    and with the package, exactly as the sweep runs it."""
+    from collections import Counter
+
+    from dtensor_ext.testing.mesh import rank_coordinates, simulated_mesh
+    from dtensor_ext.tools.opdb_coverage import MESHES, _cases, _run_sharded, _selected_opinfos, _set_package
+
+    (info,), _ = _selected_opinfos(Options(ops=[label]))
+    (case,) = [c for c in _cases(info, Options(max_samples=index + 1), Counter()) if c.index == index]
+    ran = {}
+    try:
+        for mode in ("without", "with"):
+            _set_package(mode)
+            with simulated_mesh(MESHES[mesh_name]) as mesh:
+                outcome, reason, _, moved = _run_sharded(case, placements, mesh, rank_coordinates(mesh),
+                                                         Options(check_fallback=False))
+            ran[mode] = (outcome, reason, moved)
+    finally:
+        dtensor_ext.install()
+    return ran
+
+
+R, P = Replicate(), Partial("sum")
+# Runs of the full sweep (4 samples, 4 input shardings) where the package moved more than torch alone before its
+# rules offered what torch's decomposition did: (OpInfo, sample, mesh, input placements)
+_ONCE_WORSE = [
+    ("addmv", 2, "2x2", [(Shard(0), Shard(0)), (R, Shard(0)), (Shard(0), Shard(0))]),  # broadcast bias [1]
+    ("addmv", 3, "2x2", [(P, R), (Shard(1), P), (R, R)]),
+    ("isin", 0, "1d4", [(P,), (Shard(0),)]),  # the test set split: Partial(max)
+    ("isin", 0, "2x2", [(Shard(0), R), (R, Shard(0))]),
+    ("nn.functional.pixel_shuffle", 0, "2x2", [(Shard(2), Shard(3))]),  # H and W sharded, chunks aligned
+    ("nn.functional.pixel_shuffle", 1, "2x2", [(Shard(0), Shard(3))]),
+    ("nn.functional.pixel_shuffle", 0, "1d4", [(Shard(1),)]),
+    ("nn.functional.pixel_unshuffle", 0, "1d4", [(Shard(2),)]),
+]
+
+
+@pytest.mark.parametrize("label, index, mesh_name, placements", _ONCE_WORSE,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in _ONCE_WORSE])
+def test_ops_once_worse_move_no_more_than_torch_alone(label, index, mesh_name, placements):
+    ran = _both_ways(label, index, mesh_name, placements)
+    assert ran["without"][0] == ran["with"][0] == "correct", ran
+    (c0, b0), (c1, b1) = ran["without"][2], ran["with"][2]
+    assert c1 <= c0 and b1 <= b0, ran
+
+
+def test_a_malformed_output_piece_is_wrong_even_where_full_tensor_looks_right():
+    """A rank holding a piece of another shape than its placements give it is WRONG, although full_tensor() (which
+    trims each piece to its expected length) matches. torch 2.13 alone's addmv with a bias of shape [1] and 5
+    matrix rows over 4 ranks does that (its kernel returns the bias's shape for an empty matrix; a sum then reads the
+    junk element); the package moves the matrix off the empty piece instead."""
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_ext._compat import LocalTensor
+    from dtensor_ext.testing.mesh import simulated_mesh
+    from dtensor_ext.tools.opdb_coverage import _compare
+
+    junk = {0: torch.ones(2), 1: torch.ones(2), 2: torch.ones(1), 3: torch.ones(1)}  # Shard(0) of 5 gives rank 3 none
+    with simulated_mesh((4,)) as mesh:
+        for pieces, verdict in [(junk, ("wrong", "output 0: rank 3 holds a piece of shape (1,), its placements give "
+                                                "(0,)")), ({**junk, 3: torch.ones(0)}, ("correct", None))]:
+            out = DTensor.from_local(LocalTensor(pieces), mesh, [Shard(0)], run_check=False, shape=(5,), stride=(1,))
+            assert _compare(out, torch.ones(5), mesh.mesh) == verdict
+    ran = _both_ways("addmv", 3, "1d4", [(R,), (Shard(0),), (R,)])
+    assert ran["with"][0] == "correct"
+    if ran["without"][0] != "correct":  # torch 2.13 (2.15 alone gets it right)
+        assert "rank 3 holds a piece of shape (1,), its placements give (0,)" in ran["without"][1]
