@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
@@ -72,4 +74,8 @@ def test_joint_forward_backward_graph_is_left_untouched_with_equal_gradients():
     _, rewritten, code_before = trace_and_run(with_grads)
     assert rewritten.code == code_before
     assert rewritten.meta["sequence_parallel"].converted == 0
-    assert "would move 2.04x the bytes" in rewritten.meta["sequence_parallel"].skipped[0]
+    # declined by the cost check; the ratio follows the replicated reads in torch's own backward strategies (2.04x
+    # on 2.12-2.15, 1.23x on 2.11), any ratio above 1 must decline at the default byte_tolerance of 0
+    skipped = rewritten.meta["sequence_parallel"].skipped
+    ratio = re.search(r"would move ([0-9.]+)x the bytes", skipped[0])
+    assert ratio is not None and float(ratio.group(1)) > 1, skipped
