@@ -277,6 +277,19 @@ def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str
     return rows
 
 
+STRATEGY_VALIDATOR = "torch >= 2.12 (its strategy validator, strategy_validation.compare_operator)"
+
+
+def has_strategy_validator() -> bool:
+    """Whether the running torch has its strategy validator (2.11's strategy_validation module has no
+    compare_operator)."""
+    try:
+        from torch.distributed.tensor._ops import strategy_validation
+    except ImportError:
+        return False
+    return hasattr(strategy_validation, "compare_operator")
+
+
 def compare_operator(*args, **kwargs):
     """torch's own strategy validator (2.12+): checks the rules DTensor holds for an OpInfo op on a fake group.
 
@@ -284,6 +297,8 @@ def compare_operator(*args, **kwargs):
     shards only, no empty shards a kernel rejects) is validated as the rule itself: the validator checks rules
     row by row, and its op_strategy path cannot pass the filter a list of tensors (indices, tensor lists).
     """
+    if not has_strategy_validator():
+        raise TorchLacks("validating strategies with torch's own validator", STRATEGY_VALIDATOR)
     from torch.distributed.tensor._ops.strategy_validation import compare_operator as validate
 
     with _filtered_rules_as_rules():

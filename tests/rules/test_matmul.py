@@ -11,6 +11,7 @@ from dtensor_ext._compat import compare_operator
 from dtensor_ext.rules.matmul import addmv_pieces_keep_their_shape
 from dtensor_ext.testing import check_rule, place_dtensor, sample_tensor, simulated_mesh
 from dtensor_ext.testing.strategies import dims
+from tests.rules.proof import NEEDS_TORCH_VALIDATOR
 
 aten = torch.ops.aten
 
@@ -118,6 +119,7 @@ OPINFO_NAMES = ["mv", "addmv", "addr", "vdot", "addbmm"]
 
 
 @pytest.mark.parametrize("name", OPINFO_NAMES)
+@NEEDS_TORCH_VALIDATOR
 def test_torch_strategy_validation_finds_nothing_incorrect(name, mesh_1d2):
     """torch's own validator, an independent oracle. float64: its fixed 1e-5 tolerance trips on float32 rounding."""
     stats = compare_operator(
