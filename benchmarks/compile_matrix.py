@@ -11,8 +11,8 @@ Scenarios (torch's own ParallelStyles, the package's TinyLlama):
 - embedding-dynamic: a vocab-parallel nn.Embedding (RowwiseParallel) compiled with dynamic=True, called with three
   sequence lengths (graphs counts recompiles);
 - llama-2x2: the zoo's tiny Hugging Face Llama on 4 gloo ranks, every parameter, buffer and activation a DTensor on
-  a (dp, tp) = 2x2 mesh (tests/zoo/scenarios.py: batch on dp, TP_PLAN on tp), forward + backward; "ok" also needs
-  the loss and every gradient to equal one device.
+  a (dp, tp) = 2x2 mesh (tests/zoo/scenarios.py: batch on dp, TP_PLAN on tp), forward + backward of a compiled
+  step that returns the loss; "ok" also needs the loss and every gradient to equal one device.
 
     PYTHONPATH=. python benchmarks/compile_matrix.py [--scenarios dense moe embedding-dynamic]
         [--backends aot_eager inductor] [--repeats 3] [--order package-first|alone-first]
@@ -98,7 +98,9 @@ def _all_dtensor_llama(backend, graphs: list) -> tuple:
         start = time.perf_counter()
         distribute_everything(model, mesh)
         inputs = {k: distribute_tensor(v, mesh, [Shard(0), Replicate()]) for k, v in inputs.items()}
-        loss = torch.compile(model, backend=backend)(**inputs, use_cache=False).loss
+        # the step returns the loss alone: a compiled model also returns logits that need a gradient, and AOTAutograd
+        # guesses a DTensor tangent for them where backward() on the loss passes none (torch's advice: detach them)
+        loss = torch.compile(lambda **kw: model(**kw, use_cache=False).loss, backend=backend)(**inputs)
         loss.backward()
         seconds = time.perf_counter() - start
         wrong = mismatches((_plain(loss).detach(), gradients(model)), expected)
