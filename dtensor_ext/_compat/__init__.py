@@ -38,7 +38,7 @@ from dtensor_ext._compat.propagation import (  # noqa: F401
     min_cost_selector, named_variants, op_strategy_func, op_strategy_rows, OPTIONAL_TENSOR_LISTS, output_tensor_meta,
     placement_transition_cost, PreparedSingleDimStrategy, propagate_cold, propagator, rank_in_mesh, redistribute_costs,
     register_op_strategy, register_scalar_adjuster, register_single_dim, register_view_strategy, registered_strategy,
-    REPLICATE_ROW_ALLOWED, restore_registration, RULES_KEEP_EMPTY_SHARDS, SCALAR_ADJUSTERS, schema_info,
+    REPLICATE_ROW_ALLOWED, restore_registration, RULES_KEEP_EMPTY_SHARDS, SCALAR_ADJUSTERS, schema_info, set_schema_info,
     set_min_cost_selector, set_single_dim_expansion, single_dim_even_only, single_dim_expansion, single_dim_func,
     single_dim_info_allowing_uneven, snapshot_registration, squeeze_dims_variants, takes_optional_tensor_list,
     torch_strategy_kind, TorchLacks, VARIANT_DERIVATION, wrap_single_dim_func,

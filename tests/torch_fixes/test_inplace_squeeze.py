@@ -5,7 +5,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
-from tests.torch_fixes.sharded_runs import agrees, correct_runs_without_and_with_fixes
+from tests.torch_fixes.sharded_runs import agrees, correct_runs_without_and_with_fixes, torch_shards
+
+# 2.11 has no strategy for squeeze_ (an error, not a wrong shape): nothing to fix there
+pytestmark = pytest.mark.skipif(not torch_shards(torch.ops.aten.squeeze_.dim), reason="torch has no squeeze_ strategy")
 
 MESHES = pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
 FIX = "squeeze_ keeps the old shape"
