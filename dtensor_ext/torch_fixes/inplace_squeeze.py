@@ -18,11 +18,12 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate
-from dtensor_ext.torch_fixes import swap_handlers, torch_fix
+from dtensor_ext.torch_fixes import applied_to, swap_handlers, torch_fix
 
 aten = torch.ops.aten
 
-_SQUEEZES = (aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims)
+# overload -> its extra arguments squeezing dim 0 of a [1] tensor
+_SQUEEZES = {aten.squeeze_.default: (), aten.squeeze_.dim: (0,), aten.squeeze_.dims: ([0],)}
 
 
 def _squeeze_in_place(op_call, args, kwargs):
@@ -33,14 +34,14 @@ def _squeeze_in_place(op_call, args, kwargs):
 
 
 @functools.cache
-def _squeeze_keeps_shape() -> bool:
-    """Feature check: `squeeze_()` of a replicated [1] DTensor on a 2-rank probe mesh, run as rank 0, leaves the
-    DTensor claiming shape (1,). A torch without any strategy for `squeeze_` (2.11) refuses it: an error, no
-    wrong shape to fix."""
+def _squeeze_keeps_shape(op) -> bool:
+    """Feature check: `op` squeezing a replicated [1] DTensor on a 2-rank probe mesh, run as rank 0, leaves the
+    DTensor claiming shape (1,). An overload torch has no strategy for (2.11: all but `squeeze_.dim`) is refused:
+    an error, no wrong shape to fix."""
     with _compat.probing_dtensor_ops():
         d = _compat.probe_dtensor(torch.zeros(1), (Replicate(),), (1,))
         try:
-            aten.squeeze_.default(d)
+            op(d, *_SQUEEZES[op])
         except NotImplementedError:
             return False
         return d.shape != d._local_tensor.shape
@@ -53,6 +54,7 @@ def _squeeze_keeps_shape() -> bool:
         "pieces (quantile of a 0-d tensor claims shape (1,))",
 )
 def fix_inplace_squeeze():
-    if any(_compat.custom_op_handler(op) is not None for op in _SQUEEZES) or not _squeeze_keeps_shape():
+    faulty = [op for op in _SQUEEZES if _compat.custom_op_handler(op) is None and _squeeze_keeps_shape(op)]
+    if not faulty:
         return None
-    return swap_handlers(dict.fromkeys(_SQUEEZES, _squeeze_in_place))
+    return applied_to(faulty, swap_handlers(dict.fromkeys(faulty, _squeeze_in_place)))

@@ -7,13 +7,16 @@ from torch.distributed.tensor import Replicate, Shard
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 from tests.torch_fixes.sharded_runs import agrees, correct_runs_without_and_with_fixes, torch_shards
 
-# 2.11 has no strategy for squeeze_ (an error, not a wrong shape): nothing to fix there
-pytestmark = pytest.mark.skipif(not torch_shards(torch.ops.aten.squeeze_.dim), reason="torch has no squeeze_ strategy")
+aten = torch.ops.aten
+# 2.11 has a strategy for squeeze_.dim only: the other overloads are refused there (an error, no wrong shape to fix)
+needs_strategy = {op: pytest.mark.skipif(not torch_shards(op), reason=f"torch has no strategy for {op}")
+                  for op in (aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims)}
 
 MESHES = pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
 FIX = "squeeze_ keeps the old shape"
 
 
+@needs_strategy[aten.squeeze_.dim]
 def test_quantile_of_a_0d_tensor_claims_shape_1_in_torch(fixed_ops, torch_only):
     x = torch.tensor(3.0)
     with simulated_mesh((2,)) as mesh:
@@ -25,6 +28,7 @@ def test_quantile_of_a_0d_tensor_claims_shape_1_in_torch(fixed_ops, torch_only):
             assert out.shape == () and agrees(out, torch.quantile(x, 0.5))
 
 
+@needs_strategy[aten.squeeze_.dim]
 @pytest.mark.parametrize("name", ["quantile", "nanquantile"])
 def test_quantile_of_a_0d_tensor_is_0d_when_fixed(name):
     x = torch.tensor(3.0)
@@ -38,10 +42,11 @@ SQUEEZES = {
     "dim": lambda x: x.squeeze_(1),
     "dims": lambda x: x.squeeze_((1, 3)),
 }
+OVERLOADS = {"all": aten.squeeze_.default, "dim": aten.squeeze_.dim, "dims": aten.squeeze_.dims}
 
 
 @MESHES
-@pytest.mark.parametrize("name", sorted(SQUEEZES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_strategy[OVERLOADS[n]]) for n in sorted(SQUEEZES)])
 def test_squeeze_in_place_gives_the_squeezed_shape_for_every_layout_when_fixed(mesh_shape, name):
     """[5, 1, 4, 1] in every layout leaving its size-1 dims alone: self is squeezed, pieces and claim agree."""
     squeeze = SQUEEZES[name]
@@ -60,6 +65,7 @@ def test_squeeze_in_place_gives_the_squeezed_shape_for_every_layout_when_fixed(m
             assert agrees(out, expected), placements
 
 
+@needs_strategy[aten.squeeze_.dim]
 @MESHES
 def test_squeeze_cases_torch_got_right_keep_their_placements_and_collectives(mesh_shape):
     """Where the squeezed dim moves a shard's index (Shard(2) of [4, 1, 5] -> Shard(1)), torch was right."""
