@@ -409,3 +409,16 @@ def test_extra_samples_are_measured_beyond_the_sample_cap():
     (info,), _ = _selected_opinfos(Options(ops=["nn.functional.cross_entropy"]))
     indices = [c.index for c in _cases(info, Options(max_samples=1), Counter())]
     assert indices == [0, EXTRA_SAMPLE_INDEX, EXTRA_SAMPLE_INDEX + 1]
+
+
+def test_an_op_torch_alone_gets_wrong_is_not_listed_as_moving_more():
+    """cross_entropy's extra samples make torch alone WRONG on 2x2; the package's gather moves more over the runs
+    correct both ways, but that is not "more than torch alone computing right"."""
+    op = "nn.functional.cross_entropy"
+    result = measure(Options(ops=[op], max_samples=2, max_shardings=6, meshes=["2x2"], check_fallback=False))
+    assert op in result["results"]["2x2"]["without"]["ops"]["wrong"]
+    assert op in result["results"]["2x2"]["with"]["ops"]["correct"] + result["results"]["2x2"]["with"]["ops"]["error"]
+    comm = result["communication_vs_torch"]["2x2"]
+    (c0, c1), (b0, b1) = comm["differ"][op]["collectives"], comm["differ"][op]["bytes"]
+    assert c1 > c0 or b1 > b0, comm  # it moves more ...
+    assert op not in comm["more_than_torch"], comm  # ... and is not listed
