@@ -225,9 +225,10 @@ EXTRA_SAMPLES: dict[str, Callable[[], list[tuple]]] = {
     "nn.functional.cross_entropy": _ignored_target_samples,
     "nn.functional.nll_loss": lambda: [(torch.log_softmax(x, 1), args, kwargs)
                                        for x, args, kwargs in _ignored_target_samples()],
-    "nn.functional.linear_cross_entropy": lambda: [
-        (torch.randn(4, 5), (torch.randn(3, 5), target), {}) for target in (torch.tensor([0, 1, -100, 2]),)
-    ],
+    **dict.fromkeys(
+        ["nn.functional.linear_cross_entropy", "nn.functional.linear_cross_entropy.chunked"],
+        lambda: [(torch.randn(4, 5), (torch.randn(3, 5), torch.tensor([0, 1, -100, 2])), {})],
+    ),
 }
 
 
