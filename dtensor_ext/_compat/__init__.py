@@ -39,10 +39,10 @@ from dtensor_ext._compat.propagation import (  # noqa: F401
     OPTIONAL_TENSOR_LISTS, output_tensor_meta, placement_transition_cost, PreparedSingleDimStrategy, propagate_cold,
     propagator, rank_in_mesh, redistribute_costs, register_op_strategy, register_scalar_adjuster, register_single_dim,
     register_view_strategy, registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration, RULES_KEEP_EMPTY_SHARDS,
-    SCALAR_ADJUSTERS, schema_info, set_min_cost_selector, set_single_dim_expansion, single_dim_even_only,
-    single_dim_expansion, single_dim_func, single_dim_info_allowing_uneven, snapshot_registration,
-    squeeze_dims_variants, STRATEGY_VALIDATOR, takes_optional_tensor_list, torch_strategy_kind, TorchLacks,
-    VARIANT_DERIVATION, wrap_single_dim_func,
+    SCALAR_ADJUSTERS, schema_info, set_min_cost_selector, set_schema_info, set_single_dim_expansion,
+    single_dim_even_only, single_dim_expansion, single_dim_func, single_dim_info_allowing_uneven,
+    snapshot_registration, squeeze_dims_variants, STRATEGY_VALIDATOR, takes_optional_tensor_list, torch_strategy_kind,
+    TorchLacks, VARIANT_DERIVATION, wrap_single_dim_func,
 )
 from dtensor_ext._compat.probes import (  # noqa: F401
     at_first_dtensor_use, conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_dtensor, probe_mesh,
@@ -52,7 +52,7 @@ from dtensor_ext._compat.probes import (  # noqa: F401
 from dtensor_ext._compat.dispatch import (  # noqa: F401
     custom_op_handler, dispatch_redistributor, load_linear_cross_entropy_ops, mask_buffer_type, own_rows,
     propagate_and_redistribute, quiet_redistribute_warnings, quiet_torch_log, redistribution_steps,
-    redistribution_transforms, shard_to_shard_gathers, suggested_input_specs, redistribute_local_tensor_functions,
+    redistribution_transforms, respec_inplace, shard_to_shard_gathers, suggested_input_specs, redistribute_local_tensor_functions,
     set_custom_op_handler, set_dispatch_redistributor, set_redistribute_local_tensor, tp_convolution_kernels,
     tracing_for_compile, wrap_local_results,
 )

@@ -481,6 +481,15 @@ def schema_info(op: OpOverload) -> RuntimeSchemaInfo | None:
     return prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)
 
 
+def set_schema_info(op: OpOverload, info: RuntimeSchemaInfo) -> None:
+    """Make `info` the runtime schema info of `op`'s strategy (in the single-dim table where its rule is single-dim),
+    which decides the non-tensor arguments in DTensor's sharding-cache key."""
+    prop = propagator()
+    single_dim = op in getattr(prop, "op_single_dim_strategy_funcs", {})
+    table = prop.op_to_schema_info_for_single_dim_strategy if single_dim else prop.op_to_schema_info
+    table[op] = info
+
+
 def placement_transition_cost() -> Callable | None:
     """torch's ``(src, dst, topo, mesh_dim, gb) -> (cost, gb after)`` for one step of a plan (2.13+), else None;
     fast propagation prices greedy's plan with it without re-planning."""

@@ -379,3 +379,46 @@ def test_a_malformed_output_piece_is_wrong_even_where_full_tensor_looks_right():
     assert ran["with"][0] == "correct"
     if ran["without"][0] != "correct":  # torch 2.13 (2.15 alone gets it right)
         assert "rank 3 holds a piece of shape (1,), its placements give (0,)" in ran["without"][1]
+
+
+# Extra samples (EXTRA_SAMPLES) whose rows carry unequal total target weight, batch-split: torch alone declares the
+# mean loss Partial(avg) of the shards' means with no collective, which is right only for equal weights
+_UNEQUAL_WEIGHT = [
+    ("nn.functional.cross_entropy", 1000, "1d4", [(Shard(0),), (Shard(0),)]),  # an ignored target: a NaN shard
+    ("nn.functional.cross_entropy", 1000, "2x2", [(Shard(0), R), (Shard(0), R)]),  # 2 shards of unequal count
+    ("nn.functional.cross_entropy", 1001, "2x2", [(Shard(0), R), (Shard(0), R), (R, R)]),  # class weights
+    ("nn.functional.nll_loss", 1000, "2x2", [(Shard(0), R), (Shard(0), R)]),
+    ("nn.functional.linear_cross_entropy", 1000, "1d4", [(Shard(0),), (R,), (Shard(0),)]),
+]
+
+
+@pytest.mark.parametrize("label, index, mesh_name, placements", _UNEQUAL_WEIGHT,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in _UNEQUAL_WEIGHT])
+def test_torch_alone_is_wrong_where_shards_carry_unequal_target_weight(label, index, mesh_name, placements):
+    """The sweep's extra samples make torch alone's mean-loss defect visible (so these ops leave "torch alone
+    computes right"); the package's gather gives the right loss."""
+    ran = _both_ways(label, index, mesh_name, placements)
+    assert ran["without"][0] == "wrong" and ran["with"][0] == "correct", ran
+
+
+def test_extra_samples_are_measured_beyond_the_sample_cap():
+    from collections import Counter
+
+    from dtensor_ext.tools.opdb_coverage import EXTRA_SAMPLE_INDEX, _cases, _selected_opinfos
+
+    (info,), _ = _selected_opinfos(Options(ops=["nn.functional.cross_entropy"]))
+    indices = [c.index for c in _cases(info, Options(max_samples=1), Counter())]
+    assert indices == [0, EXTRA_SAMPLE_INDEX, EXTRA_SAMPLE_INDEX + 1]
+
+
+def test_an_op_torch_alone_gets_wrong_is_not_listed_as_moving_more():
+    """cross_entropy's extra samples make torch alone WRONG on 2x2; the package's gather moves more over the runs
+    correct both ways, but that is not "more than torch alone computing right"."""
+    op = "nn.functional.cross_entropy"
+    result = measure(Options(ops=[op], max_samples=2, max_shardings=6, meshes=["2x2"], check_fallback=False))
+    assert op in result["results"]["2x2"]["without"]["ops"]["wrong"]
+    assert op in result["results"]["2x2"]["with"]["ops"]["correct"] + result["results"]["2x2"]["with"]["ops"]["error"]
+    comm = result["communication_vs_torch"]["2x2"]
+    (c0, c1), (b0, b1) = comm["differ"][op]["collectives"], comm["differ"][op]["bytes"]
+    assert c1 > c0 or b1 > b0, comm  # it moves more ...
+    assert op not in comm["more_than_torch"], comm  # ... and is not listed
