@@ -34,7 +34,8 @@ from dtensor_ext._compat.testing import (  # noqa: F401
 from dtensor_ext._compat.propagation import (  # noqa: F401
     auto_register_variants, can_adjust_scalars, can_derive_variants, clear_sharding_caches, compare_operator,
     DIRECT_STRATEGY_KINDS, dtensor_collective_costs, expand_sharding, expands_optional_tensor_lists,
-    full_mesh_strategy_filter, full_single_dim_expansion, greedy_redistribution_planned, known_equal, local_shapes,
+    full_mesh_strategy_filter, full_single_dim_expansion, greedy_redistribution_planned, has_strategy_validator,
+    known_equal, local_shapes,
     min_cost_selector, named_variants, op_strategy_func, op_strategy_rows, OPTIONAL_TENSOR_LISTS, output_tensor_meta,
     placement_transition_cost, PreparedSingleDimStrategy, propagate_cold, propagator, rank_in_mesh, redistribute_costs,
     register_op_strategy, register_scalar_adjuster, register_single_dim, register_view_strategy, registered_strategy,

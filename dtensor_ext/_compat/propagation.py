@@ -304,6 +304,15 @@ def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str
     return rows
 
 
+def has_strategy_validator() -> bool:
+    """Whether the running torch has its strategy validator, `strategy_validation.compare_operator` (2.12+)."""
+    try:
+        from torch.distributed.tensor._ops import strategy_validation
+    except ImportError:
+        return False
+    return hasattr(strategy_validation, "compare_operator")
+
+
 def compare_operator(*args, **kwargs):
     """torch's own strategy validator (2.12+): checks the rules DTensor holds for an OpInfo op on a fake group.
 
