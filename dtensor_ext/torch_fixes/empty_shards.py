@@ -7,7 +7,10 @@ local kernels raise on an empty input although the op's result on it is simply e
 channels (max/avg pools, adaptive max pools, 3-D adaptive avg pool; 2.15's single-dim pooling rules shard the
 channel dim), `max`/`min` without a dim, `amax`/`amin`/`aminmax`/`argmax`/`argmin` over an empty dim and
 `linalg_vector_norm` for orders without an identity (inf, negative). Each kernel is probed on its own, and
-`registry()` lists as fixed only the ops whose probe found the rejection. Where a
+`registry()` lists as fixed only the ops whose probe found the rejection and that DTensor shards at all (2.11 has
+no strategy for the FFTs or pooling: they are "not needed" there). Ops torch shards only through its decomposition
+fallback (2.12's batch norm without stats, 2.11's `norm.Scalar`; the fallback then runs the op's own kernel on every
+shard) are steered there, where a feature check finds the fallback sharding them. Where a
 feature check finds the running torch's CPU kernel rejecting an empty input, these ops' strategies lose exactly
 the layouts that leave some rank an empty shard of a dim the kernel needs non-empty; DTensor's cost model then
 picks the cheapest layout left (argmax/argmin, which torch runs through a custom handler, get their input moved
