@@ -110,7 +110,8 @@ def test_uneven_batch_stays_sharded_without_collectives(fix_state, fixed_ops, me
             out = call(x_d, grid_d)
         got = local_values(out.full_tensor())
     assert all(torch.allclose(v, expected, atol=1e-6) for v in got.values())
-    fixed = fix_state == "fixed" and _compat.torch_op_names(op)[0] in fixed_ops["even-only rules exact on uneven shards"]
+    fixed_here = fixed_ops["even-only rules exact on uneven shards"]
+    fixed = fix_state == "fixed" and _compat.torch_op_names(op)[0] in fixed_here
     if fixed:
         assert (out.placements, comms.get_total_counts()) == (tuple(placements), 0)
     else:
