@@ -41,8 +41,8 @@ from dtensor_ext._compat.propagation import (  # noqa: F401
     register_view_strategy, registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration, RULES_KEEP_EMPTY_SHARDS,
     SCALAR_ADJUSTERS, schema_info, set_min_cost_selector, set_schema_info, set_single_dim_expansion,
     single_dim_even_only, single_dim_expansion, single_dim_func, single_dim_info_allowing_uneven,
-    snapshot_registration, squeeze_dims_variants, STRATEGY_VALIDATOR, takes_optional_tensor_list, torch_strategy_kind,
-    TorchLacks, VARIANT_DERIVATION, wrap_single_dim_func,
+    snapshot_registration, STRATEGY_VALIDATOR, takes_optional_tensor_list, torch_strategy_kind, TorchLacks,
+    VARIANT_DERIVATION, wrap_decomposition_strategy, wrap_single_dim_func,
 )
 from dtensor_ext._compat.probes import (  # noqa: F401
     at_first_dtensor_use, conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_dtensor, probe_mesh,

@@ -73,6 +73,33 @@ def _has_sharding_decomposition(op: OpOverload) -> bool:
     return bool(DecompShardingStrategy.has_decomp(op))
 
 
+def wrap_decomposition_strategy(wrap: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Make torch's decomposition fallback (the strategy it traces through an op's decomposition, for ops with no
+    strategy of their own: `(op_schema with DTensorSpec args) -> OpStrategy | None`) `wrap(torch's)`; returns the
+    undo. 2.12+ hold the fallback as an object of the propagator; 2.11 calls a static method with the propagator."""
+    fallback = getattr(propagator(), "decomp_strategy", None)
+    if fallback is None:
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+        previous_static = DecompShardingStrategy.__dict__["propagate_strategy"]
+
+        def propagate(op_schema: OpSchema, sharding_prop) -> OpStrategy | None:
+            return wrap(lambda schema: previous_static.__func__(schema, sharding_prop))(op_schema)
+
+        DecompShardingStrategy.propagate_strategy = staticmethod(propagate)
+        return lambda: setattr(DecompShardingStrategy, "propagate_strategy", previous_static)
+    previous = vars(fallback).get("propagate_strategy")
+    fallback.propagate_strategy = wrap(fallback.propagate_strategy)
+
+    def undo() -> None:
+        if previous is None:
+            del fallback.propagate_strategy
+        else:
+            fallback.propagate_strategy = previous
+
+    return undo
+
+
 _REGISTRATION_TABLES = (
     "op_single_dim_strategy_funcs",
     "op_to_schema_info_for_single_dim_strategy",
@@ -411,12 +438,6 @@ def register_view_strategy(op: OpOverload, torch_function: Callable, *, schema_i
     from torch.distributed.tensor._ops import _view_ops
 
     _view_ops.register_op_strategy_map(op, torch_function, schema_info=schema_info, strict_view=False)
-
-
-def squeeze_dims_variants() -> dict | None:
-    """DTensor's table of squeeze ops whose dims it rewrites to the GLOBAL size-1 dims before the local call
-    (so that a shard whose local size is 1 is not squeezed); None on a torch without it."""
-    return getattr(propagator(), "squeeze_op_to_dims_variant", None)
 
 
 def known_equal(value: Any, constant: int) -> bool:
