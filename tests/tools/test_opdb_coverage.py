@@ -392,13 +392,27 @@ _UNEQUAL_WEIGHT = [
 ]
 
 
+def _torch_alone_averages_shard_losses() -> bool:
+    """Whether torch alone gives a batch-sharded mean nll_loss Partial(avg) with no collective (2.13; 2.15 gathers
+    and is right): the defect these samples expose, probed on a tiny spec."""
+    dtensor_ext.uninstall()
+    try:
+        scores = _compat.probe_spec(torch.zeros(4, 3), (Shard(0),))
+        targets = _compat.probe_spec(torch.zeros(4, dtype=torch.long), (Shard(0),))
+        out = _compat.output_placements(torch.ops.aten.nll_loss_forward.default, (scores, targets, None, 1, -100))
+    finally:
+        dtensor_ext.install()
+    return out is not None and any(isinstance(p, Partial) for p in out)
+
+
 @pytest.mark.parametrize("label, index, mesh_name, placements", _UNEQUAL_WEIGHT,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in _UNEQUAL_WEIGHT])
 def test_torch_alone_is_wrong_where_shards_carry_unequal_target_weight(label, index, mesh_name, placements):
     """The sweep's extra samples make torch alone's mean-loss defect visible (so these ops leave "torch alone
     computes right"); the package's gather gives the right loss."""
     ran = _both_ways(label, index, mesh_name, placements)
-    assert ran["without"][0] == "wrong" and ran["with"][0] == "correct", ran
+    assert ran["with"][0] == "correct", ran
+    assert (ran["without"][0] == "wrong") == _torch_alone_averages_shard_losses(), ran
 
 
 def test_extra_samples_are_measured_beyond_the_sample_cap():
@@ -414,6 +428,8 @@ def test_extra_samples_are_measured_beyond_the_sample_cap():
 def test_an_op_torch_alone_gets_wrong_is_not_listed_as_moving_more():
     """cross_entropy's extra samples make torch alone WRONG on 2x2; the package's gather moves more over the runs
     correct both ways, but that is not "more than torch alone computing right"."""
+    if not _torch_alone_averages_shard_losses():
+        pytest.skip("this torch gathers a batch-sharded mean loss (right): it has no such defect to exclude")
     op = "nn.functional.cross_entropy"
     result = measure(Options(ops=[op], max_samples=2, max_shardings=6, meshes=["2x2"], check_fallback=False))
     assert op in result["results"]["2x2"]["without"]["ops"]["wrong"]
