@@ -79,6 +79,9 @@ def _registry_with_fixes(registry_now):
 
 
 registry = _registry_with_fixes(registry)
-# DTENSOR_EXT_PLANNER=1 turns the planner on from the start (e.g. to run a test suite with it).
+# DTENSOR_EXT_PLANNER=1 turns the planner on from the start (e.g. to run a test suite with it); the torch fixes
+# still wait for DTensor's first use, as without it.
 if os.environ.get("DTENSOR_EXT_PLANNER") == "1":
-    install(planner=True)
+    from dtensor_ext.redistribute import engine as _engine
+
+    _engine.enable(calibration=None)

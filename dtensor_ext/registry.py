@@ -36,6 +36,9 @@ class RuleSpec:
     # rewrites scalar args that the frontend derived from GLOBAL shapes (group norm's N, C, HxW) for one rank:
     # (args, local shapes of the tensor args in order) -> args; DTensor applies it through its scalar adjusters
     local_scalars: Callable | None = None
+    # op_schema -> (expanded OpSpec -> keep it?): drops the N-D layouts the rule's rows are wrong on, which the
+    # rule cannot see (it never sees the mesh); see single_dim_rule
+    layouts: Callable | None = None
 
     def resolve(self) -> OpOverload | None:
         """The overload on the running torch, or None where this torch does not have the op."""
@@ -82,6 +85,7 @@ def single_dim_rule(
     allow_uneven_sharding: bool = True,
     superset_of_torch: bool = False,
     local_scalars: Callable | None = None,
+    layouts: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
     """Declare `func(op, args_meta, kwargs_meta) -> rows` as the single-dim rule of `ops`.
 
@@ -90,7 +94,14 @@ def single_dim_rule(
 
     allow_uneven_sharding=False: the rule only ever runs on evenly sharded inputs and outputs (no empty or
     misaligned shard); DTensor replicates instead. torch's flag of that name alone admits 5 rows over 4 ranks.
+
+    layouts: `op_schema -> (OpSpec -> bool)`, for rows valid only where the shards line up (an output chunk made of
+    exactly its input chunk); the expansion over the mesh keeps the layouts it accepts, and DTensor moves inputs to
+    one of those. Only with allow_uneven_sharding (which it refines).
     """
+    if layouts is not None and not allow_uneven_sharding:
+        raise ValueError("single_dim_rule: layouts: give it only with allow_uneven_sharding=True (even shards only "
+                         "already keeps every aligned layout)")
     op_list = [ops] if isinstance(ops, (OpOverload, str)) else list(ops)
 
     def declare(func: Callable) -> Callable:
@@ -100,7 +111,8 @@ def single_dim_rule(
             if name in _SPECS:
                 raise ValueError(f"{name}: a rule is already declared at {_SPECS[name].where}; not declaring {where}")
             _SPECS[name] = RuleSpec(
-                name, family, func, schema_info, allow_uneven_sharding, superset_of_torch, where, local_scalars
+                name, family, func, schema_info, allow_uneven_sharding, superset_of_torch, where, local_scalars,
+                layouts,
             )
         return func
 
@@ -194,8 +206,8 @@ def install(
         entries.extend(_variants_left_out(registered))
     for op in previous:  # after torch derived the variants, which inherit their base rule's evenness
         spec = registered.get(op) or _variant_base(op, registered)
-        if spec is not None and not spec.allow_uneven_sharding:
-            _keep_even_layouts_only(op)
+        if spec is not None:
+            _filter_layouts(op, spec)
     ours = {op: _compat.registered_strategy(op) for op in previous}
     undo_fixes = _apply_torch_fixes(entries) if fix_torch else []
     _state = _Installed(entries, previous, ours, _freeze(upgrade), fix_torch, undo_fixes)
@@ -258,8 +270,9 @@ def _evenly_placed(op_schema: _compat.OpSchema) -> Callable[[_compat.OpSpec], bo
     return even
 
 
-def _keep_even_layouts_only(op: OpOverload) -> None:
-    """Make a rule declared with allow_uneven_sharding=False mean even shards only.
+def _filter_layouts(op: OpOverload, spec: RuleSpec) -> None:
+    """Keep only the expanded layouts the rule is valid on: its `layouts` filter, or even shards only where it was
+    declared with allow_uneven_sharding=False.
 
     torch's flag only refuses to move an input onto a layout where a sharded dim is smaller than its number of
     shards; 5 rows over 4 ranks (2, 2, 1, 0) pass, and an empty or misaligned shard is exactly what such rules
@@ -267,7 +280,9 @@ def _keep_even_layouts_only(op: OpOverload) -> None:
     """
     from dtensor_ext.torch_fixes.strategy_swap import filtered_single_dim, single_dim_as_op_strategy
 
-    single_dim_as_op_strategy(op, lambda rule: filtered_single_dim(rule, _evenly_placed))
+    keeps = _evenly_placed if not spec.allow_uneven_sharding else spec.layouts
+    if keeps is not None:
+        single_dim_as_op_strategy(op, lambda rule: filtered_single_dim(rule, keeps))
 
 
 def _apply_torch_fixes(entries: list[RegistryEntry]) -> list[Callable[[], None]]:
@@ -306,8 +321,7 @@ def install_one(op: OpOverload | str) -> RegistryEntry | None:
         raise ValueError(f"install_one({name!r}): already installed")
     entry, registered = _install_spec(spec, _state.upgrade, _state.previous)
     if registered is not None:
-        if not spec.allow_uneven_sharding:
-            _keep_even_layouts_only(registered)
+        _filter_layouts(registered, spec)
         _state.ours[registered] = _compat.registered_strategy(registered)
     _state.entries.append(entry)
     _compat.clear_sharding_caches()

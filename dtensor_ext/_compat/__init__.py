@@ -34,14 +34,15 @@ from dtensor_ext._compat.testing import (  # noqa: F401
 from dtensor_ext._compat.propagation import (  # noqa: F401
     auto_register_variants, can_adjust_scalars, can_derive_variants, clear_sharding_caches, compare_operator,
     DIRECT_STRATEGY_KINDS, dtensor_collective_costs, expand_sharding, expands_optional_tensor_lists,
-    full_mesh_strategy_filter, full_single_dim_expansion, greedy_redistribution_planned, known_equal, local_shapes,
-    min_cost_selector, named_variants, op_strategy_func, op_strategy_rows, OPTIONAL_TENSOR_LISTS, output_tensor_meta,
-    placement_transition_cost, PreparedSingleDimStrategy, propagate_cold, propagator, rank_in_mesh, redistribute_costs,
-    register_op_strategy, register_scalar_adjuster, register_single_dim, register_view_strategy, registered_strategy,
-    REPLICATE_ROW_ALLOWED, restore_registration, RULES_KEEP_EMPTY_SHARDS, SCALAR_ADJUSTERS, schema_info,
-    set_min_cost_selector, set_single_dim_expansion, single_dim_even_only, single_dim_expansion, single_dim_func,
-    single_dim_info_allowing_uneven, snapshot_registration, squeeze_dims_variants, takes_optional_tensor_list,
-    torch_strategy_kind, TorchLacks, VARIANT_DERIVATION, wrap_single_dim_func,
+    full_mesh_strategy_filter, full_single_dim_expansion, greedy_redistribution_planned, has_strategy_validator,
+    known_equal, local_shapes, min_cost_selector, named_variants, op_strategy_func, op_strategy_rows,
+    OPTIONAL_TENSOR_LISTS, output_tensor_meta, placement_transition_cost, PreparedSingleDimStrategy, propagate_cold,
+    propagator, rank_in_mesh, redistribute_costs, register_op_strategy, register_scalar_adjuster, register_single_dim,
+    register_view_strategy, registered_strategy, REPLICATE_ROW_ALLOWED, restore_registration, RULES_KEEP_EMPTY_SHARDS,
+    SCALAR_ADJUSTERS, schema_info, set_min_cost_selector, set_schema_info, set_single_dim_expansion,
+    single_dim_even_only, single_dim_expansion, single_dim_func, single_dim_info_allowing_uneven,
+    snapshot_registration, STRATEGY_VALIDATOR, takes_optional_tensor_list, torch_strategy_kind, TorchLacks,
+    VARIANT_DERIVATION, wrap_decomposition_strategy, wrap_single_dim_func,
 )
 from dtensor_ext._compat.probes import (  # noqa: F401
     at_first_dtensor_use, conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_dtensor, probe_mesh,
@@ -51,7 +52,7 @@ from dtensor_ext._compat.probes import (  # noqa: F401
 from dtensor_ext._compat.dispatch import (  # noqa: F401
     custom_op_handler, dispatch_redistributor, load_linear_cross_entropy_ops, mask_buffer_type, own_rows,
     propagate_and_redistribute, quiet_redistribute_warnings, quiet_torch_log, redistribution_steps,
-    redistribution_transforms, shard_to_shard_gathers, suggested_input_specs, redistribute_local_tensor_functions,
+    redistribution_transforms, respec_inplace, shard_to_shard_gathers, suggested_input_specs, redistribute_local_tensor_functions,
     set_custom_op_handler, set_dispatch_redistributor, set_redistribute_local_tensor, tp_convolution_kernels,
     tracing_for_compile, wrap_local_results,
 )
@@ -61,5 +62,6 @@ from dtensor_ext._compat.collectives import (  # noqa: F401
 from dtensor_ext._compat.compile import (  # noqa: F401
     aot_eager_with_joint_pass, custom_op_autotuning_api, dynamo_backend, fake_mode_of, fake_tensor_mode,
     inductor_cache_dir, inductor_custom_pass_api, inductor_joint_pass_slot, override_meta_kernel,
-    set_collective_choice_benchmark, size_hint, swap_dynamo_backend, wrap_inductor_entry,
+    process_groups_by_name, route_group_names, set_collective_choice_benchmark, size_hint, swap_dynamo_backend,
+    wrap_inductor_entry,
 )

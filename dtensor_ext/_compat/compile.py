@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -169,13 +169,18 @@ def dynamo_backend(name: str) -> Callable:
 
 
 def set_collective_choice_benchmark(benchmark: Callable[..., float]) -> Callable[[], None]:
-    """Make ``benchmark(prepare, run, name, inputs) -> ms`` what inductor's autotuner calls for each choice of an op
-    whose choices issue collectives, instead of torch's (CUDA events only, mean over ranks). ``prepare()`` compiles
-    the choice (inductor otherwise compiles it lazily inside its first run, i.e. after the ranks synchronised and
-    while peers may already wait in the choice's collectives); ``run()`` runs it once on ``inputs``, its benchmark
-    tensors. inf means failed or timed out: inductor then falls back to the op's default. Inductor's FX-graph and
+    """Make ``benchmark(prepare, run, name, fingerprint, inputs) -> ms`` what inductor's autotuner calls for each
+    choice of an op whose choices issue collectives, instead of torch's (CUDA events only, mean over ranks).
+    ``prepare()`` compiles the choice (inductor otherwise compiles it lazily inside its first run, i.e. after the
+    ranks synchronised and while peers may already wait in the choice's collectives); ``run()`` runs it once on
+    ``inputs``, its benchmark tensors. ``name`` is the choice's name without the counter inductor appends to
+    subgraph choices (the same in every compile); ``fingerprint`` hashes inductor's own identity of the choice
+    (its name, input sizes and strides, and for a subgraph choice its FX graph), or is None where inductor gives
+    none. inf means failed or timed out: inductor then falls back to the op's default. Inductor's FX-graph and
     autotune caches are off meanwhile (a rank that hit them would not benchmark while its peers do). The returned
     undo puts back torch's benchmark and the caches."""
+    import hashlib
+
     from torch._inductor import config
     from torch._inductor.select_algorithm import AlgorithmSelectorCache
 
@@ -185,6 +190,13 @@ def set_collective_choice_benchmark(benchmark: Callable[..., float]) -> Callable
         inputs, output = autotune_args.get_benchmark_tensors(cls._is_extern(choice)).unpack()
         output.zero_()
         prepare = getattr(choice, "_ensure_compiled", None) or (lambda: None)  # subgraph choices compile lazily
+        name = getattr(choice, "name", "?")
+        if getattr(choice, "gm", None) is not None:  # a subgraph choice: "<op>_<implementation>_<counter>"
+            name = name.rsplit("_", 1)[0]
+        try:
+            fingerprint = hashlib.sha256(choice.hash_key().encode()).hexdigest()[:16]
+        except Exception:  # a choice kind without an identity: never reused from a record
+            fingerprint = None
 
         def run() -> None:
             # Inductor benchmarks while lowering, with the Python dispatcher on. There, on gloo, a choice's
@@ -193,8 +205,7 @@ def set_collective_choice_benchmark(benchmark: Callable[..., float]) -> Callable
             with torch._C._DisablePythonDispatcher():
                 choice.benchmark_collective(*inputs, out=output)
 
-        return benchmark(prepare, run, getattr(choice, "name", "?"),
-                         [t for t in inputs if isinstance(t, torch.Tensor)])
+        return benchmark(prepare, run, name, fingerprint, [t for t in inputs if isinstance(t, torch.Tensor)])
 
     caches = config.patch(fx_graph_cache=False, autotune_local_cache=False, autotune_remote_cache=False)
     caches.__enter__()
@@ -204,6 +215,38 @@ def set_collective_choice_benchmark(benchmark: Callable[..., float]) -> Callable
         AlgorithmSelectorCache.benchmark_collective_choice = previous
         caches.__exit__(None, None, None)
 
+    return undo
+
+
+def process_groups_by_name() -> dict[str, Any]:
+    """group name -> process group, for every group this rank belongs to: the names functional collectives (and so
+    Inductor's generated code) address groups by."""
+    from torch.distributed.distributed_c10d import _world
+
+    return {name: pg for pg, name in _world.pg_names.items() if pg in _world.pg_group_ranks}
+
+
+def route_group_names(routes: Mapping[str, Any]) -> Callable[[], None]:
+    """Make collectives addressed by group name (functional collectives) run on ``routes[name]`` instead of the
+    group registered under that name; the returned undo registers the original groups again. Collectives called
+    with a ProcessGroup object (``dist.all_reduce(x, group=pg)``) are not rerouted."""
+    import torch._C._distributed_c10d as c10d
+
+    originals: dict[str, Any] = {}
+
+    def undo() -> None:
+        for name, group in originals.items():
+            c10d._unregister_process_group(name)
+            c10d._register_process_group(name, group)
+
+    try:
+        for name, group in routes.items():
+            originals[name] = c10d._resolve_process_group(name)
+            c10d._unregister_process_group(name)
+            c10d._register_process_group(name, group)
+    except BaseException:
+        undo()
+        raise
     return undo
 
 

@@ -113,6 +113,15 @@ def wrap_local_results(local_results: object, output_spec: Any) -> object:
     return DTensor._op_dispatcher.wrap(local_results, output_spec)
 
 
+def respec_inplace(op_call: OpOverload, args: tuple, kwargs: dict, output_spec: Any) -> DTensor:
+    """Give `args[0]` (the DTensor an in-place view op such as `squeeze_` changed) `output_spec` and the matching
+    wrapper sizes and strides, as DTensor's dispatch does when the op's placements change."""
+    from torch.utils._python_dispatch import return_and_correct_aliasing
+
+    args[0]._spec = output_spec
+    return return_and_correct_aliasing(op_call, args, kwargs, args[0])
+
+
 def tp_convolution_kernels() -> tuple[Callable, Callable]:
     """torch's local convolution forward/backward runners (they exchange halos when a spatial dim is sharded)."""
     from torch.distributed.tensor._tp_conv import tp_convolution, tp_convolution_backward

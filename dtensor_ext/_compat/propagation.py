@@ -73,6 +73,33 @@ def _has_sharding_decomposition(op: OpOverload) -> bool:
     return bool(DecompShardingStrategy.has_decomp(op))
 
 
+def wrap_decomposition_strategy(wrap: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Make torch's decomposition fallback (the strategy it traces through an op's decomposition, for ops with no
+    strategy of their own: `(op_schema with DTensorSpec args) -> OpStrategy | None`) `wrap(torch's)`; returns the
+    undo. 2.12+ hold the fallback as an object of the propagator; 2.11 calls a static method with the propagator."""
+    fallback = getattr(propagator(), "decomp_strategy", None)
+    if fallback is None:
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+        previous_static = DecompShardingStrategy.__dict__["propagate_strategy"]
+
+        def propagate(op_schema: OpSchema, sharding_prop) -> OpStrategy | None:
+            return wrap(lambda schema: previous_static.__func__(schema, sharding_prop))(op_schema)
+
+        DecompShardingStrategy.propagate_strategy = staticmethod(propagate)
+        return lambda: setattr(DecompShardingStrategy, "propagate_strategy", previous_static)
+    previous = vars(fallback).get("propagate_strategy")
+    fallback.propagate_strategy = wrap(fallback.propagate_strategy)
+
+    def undo() -> None:
+        if previous is None:
+            del fallback.propagate_strategy
+        else:
+            fallback.propagate_strategy = previous
+
+    return undo
+
+
 _REGISTRATION_TABLES = (
     "op_single_dim_strategy_funcs",
     "op_to_schema_info_for_single_dim_strategy",
@@ -277,6 +304,19 @@ def op_strategy_rows(op: OpOverload, mesh, args: Sequence[Any], kwargs: dict[str
     return rows
 
 
+STRATEGY_VALIDATOR = "torch >= 2.12 (its strategy validator, strategy_validation.compare_operator)"
+
+
+def has_strategy_validator() -> bool:
+    """Whether the running torch has its strategy validator (2.11's strategy_validation module has no
+    compare_operator)."""
+    try:
+        from torch.distributed.tensor._ops import strategy_validation
+    except ImportError:
+        return False
+    return hasattr(strategy_validation, "compare_operator")
+
+
 def compare_operator(*args, **kwargs):
     """torch's own strategy validator (2.12+): checks the rules DTensor holds for an OpInfo op on a fake group.
 
@@ -284,6 +324,8 @@ def compare_operator(*args, **kwargs):
     shards only, no empty shards a kernel rejects) is validated as the rule itself: the validator checks rules
     row by row, and its op_strategy path cannot pass the filter a list of tensors (indices, tensor lists).
     """
+    if not has_strategy_validator():
+        raise TorchLacks("validating strategies with torch's own validator", STRATEGY_VALIDATOR)
     from torch.distributed.tensor._ops.strategy_validation import compare_operator as validate
 
     with _filtered_rules_as_rules():
@@ -398,12 +440,6 @@ def register_view_strategy(op: OpOverload, torch_function: Callable, *, schema_i
     _view_ops.register_op_strategy_map(op, torch_function, schema_info=schema_info, strict_view=False)
 
 
-def squeeze_dims_variants() -> dict | None:
-    """DTensor's table of squeeze ops whose dims it rewrites to the GLOBAL size-1 dims before the local call
-    (so that a shard whose local size is 1 is not squeezed); None on a torch without it."""
-    return getattr(propagator(), "squeeze_op_to_dims_variant", None)
-
-
 def known_equal(value: Any, constant: int) -> bool:
     """`value == constant` where that is known without guarding on a symbolic size (False where unknown)."""
     from torch.fx.experimental.symbolic_shapes import guard_or_false
@@ -464,6 +500,15 @@ def schema_info(op: OpOverload) -> RuntimeSchemaInfo | None:
     hold tensors), as DTensor's dispatcher attaches it to the OpSchema it propagates."""
     prop = propagator()
     return prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)
+
+
+def set_schema_info(op: OpOverload, info: RuntimeSchemaInfo) -> None:
+    """Make `info` the runtime schema info of `op`'s strategy (in the single-dim table where its rule is single-dim),
+    which decides the non-tensor arguments in DTensor's sharding-cache key."""
+    prop = propagator()
+    single_dim = op in getattr(prop, "op_single_dim_strategy_funcs", {})
+    table = prop.op_to_schema_info_for_single_dim_strategy if single_dim else prop.op_to_schema_info
+    table[op] = info
 
 
 def placement_transition_cost() -> Callable | None:

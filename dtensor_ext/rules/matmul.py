@@ -5,7 +5,10 @@ Each rule is its factor signature; the generator (`rules/factors.py`) turns it i
 
 from __future__ import annotations
 
-from dtensor_ext._compat import RuntimeSchemaInfo, is_placeholder
+from collections.abc import Callable
+
+from dtensor_ext import _compat
+from dtensor_ext._compat import OpSchema, OpSpec, RuntimeSchemaInfo
 from dtensor_ext.registry import single_dim_rule
 from dtensor_ext.rules.factors import factor_strategies
 
@@ -18,15 +21,31 @@ def mv_rule(op, args, kwargs):
     return factor_strategies("mk,k->m", [mat, vec])
 
 
-@single_dim_rule("aten::addmv", family=FAMILY)
+def addmv_pieces_keep_their_shape(bias_shape, mat_shape, mesh_shape, mat_placements) -> bool:
+    """Whether addmv gives every rank a result of the shape its layout says. The kernel returns a broadcast bias's
+    own shape for an empty matrix (addmv(b[1], m[0,k], v) and addmv(b[1], m[5,0], v[0]) both have shape [1]), so
+    with a broadcast bias no rank may hold an empty piece of a non-empty matrix (uneven shards can be empty)."""
+    if tuple(bias_shape) == (mat_shape[0],) or 0 in tuple(mat_shape):
+        return True
+    return all(0 not in tuple(local) for local in _compat.local_shapes(mat_shape, mesh_shape, mat_placements))
+
+
+def _addmv_layouts(op_schema: OpSchema) -> Callable[[OpSpec], bool]:
+    def keeps(spec: OpSpec) -> bool:
+        bias, mat = spec.input_specs[:2]
+        return addmv_pieces_keep_their_shape(bias.tensor_meta.shape, mat.tensor_meta.shape, mat.mesh.shape,
+                                             mat.placements)
+
+    return keeps
+
+
+@single_dim_rule("aten::addmv", family=FAMILY, layouts=_addmv_layouts)
 def addmv_rule(op, args, kwargs):
+    """A broadcast bias (shape [1] or []) is added to every row: it stays whole where the rows shard, and
+    `layouts` drops the layouts that leave a rank an empty piece of the matrix (see
+    addmv_pieces_keep_their_shape). torch's decomposition shards those rows too."""
     bias, mat, vec = args[:3]
-    rows = factor_strategies("m,mk,k->m", [bias, mat, vec], additive=[0])
-    if tuple(bias.shape) != (mat.shape[0],):
-        # addmv returns a broadcast bias's shape when the matrix shard is empty (addmv(b[1], m[0,k], v) and
-        # addmv(b[1], m[5,0], v[0]) both have shape [1]), and uneven shards can be empty: shard nothing then.
-        rows = [r for r in rows if not any(is_placeholder(p) for p in r)]
-    return rows
+    return factor_strategies("m,mk,k->m", [bias, mat, vec], additive=[0])
 
 
 @single_dim_rule("aten::addr", family=FAMILY)

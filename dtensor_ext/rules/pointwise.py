@@ -43,12 +43,20 @@ def polar_rule(op, args, kwargs):
     return elementwise_rows(list(args[:2]))
 
 
-@single_dim_rule(["aten::isin.Tensor_Tensor", "aten::isin.Tensor_Scalar"], family=FAMILY)
+@single_dim_rule(["aten::isin.Tensor_Tensor", "aten::isin.Tensor_Scalar"], family=FAMILY,
+                 schema_info=RuntimeSchemaInfo(1, static_kwargkey=["invert"]))
 def isin_rule(op, args, kwargs):
-    """Each element is looked up on its own: shard the elements anywhere, keep the test set whole."""
+    """Each element is looked up on its own: shard the elements anywhere, keep the test set whole. Or split the
+    test set: each rank's answer is "in my part", and an element is in the whole set when it is in any part,
+    Partial(max) of the booleans (with invert, in none: Partial(min); an empty part answers False, or True
+    inverted, which changes neither). torch alone reaches that layout through isin's decomposition (eq, then
+    any over the test set)."""
     elements = args[0]
-    tested = [Replicate()] if isinstance(args[1], TensorMeta) else []
-    return [[ShardingPlaceholder(d), ShardingPlaceholder(d), *tested] for d in range(len(elements.shape))]
+    if not isinstance(args[1], TensorMeta):
+        return [[ShardingPlaceholder(d), ShardingPlaceholder(d)] for d in range(len(elements.shape))]
+    rows = [[ShardingPlaceholder(d), ShardingPlaceholder(d), Replicate()] for d in range(len(elements.shape))]
+    split_tests = Partial("min" if kwargs.get("invert", False) else "max")
+    return rows + [[split_tests, Replicate(), ShardingPlaceholder(d)] for d in range(len(args[1].shape))]
 
 
 @single_dim_rule("aten::renorm", family=FAMILY, schema_info=RuntimeSchemaInfo(1))

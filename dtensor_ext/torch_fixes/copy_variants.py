@@ -5,11 +5,12 @@
 on each rank's local tensor:
 
 - `squeeze_copy` (no dims) squeezes every LOCAL size-1 dim, so a rank whose shard of a sharded dim has size 1 drops
-  that dim too: ranks disagree on the result's ndim (an invalid DTensor; `full_tensor()` fails). torch fixed
-  exactly this for `squeeze` by rewriting the call to `squeeze.dims` with the GLOBAL size-1 dims
-  (`_sharding_prop.py`, `squeeze_op_to_dims_variant`). The fix enters `squeeze_copy.dims` in that table with
+  that dim too: ranks disagree on the result's ndim (an invalid DTensor; `full_tensor()` fails). torch 2.12+
+  fixed exactly this for `squeeze` by rewriting the call to `squeeze.dims` with the GLOBAL size-1 dims
+  (`_sharding_prop.py`, `squeeze_op_to_dims_variant`; 2.11 has no such table). The fix gives `squeeze_copy.dim`
   torch's non-strict view strategy for `torch.squeeze` (a copy may redistribute: a squeezed size-1 dim that is
-  sharded is replicated first), and sends `squeeze_copy()` / `squeeze_copy(dim)` there.
+  sharded is replicated first), and a dispatch handler runs every overload as one `squeeze_copy.dim` call per
+  requested dim of global size 1.
 - `unsafe_split` / `unsafe_split_with_sizes` into a single piece fail with "`output_specs` has 1 output which does
   not equal the number of op outputs: 1" (the fallback returns a bare spec for a one-element list). They are
   `split` / `split_with_sizes` without view tracking, so they get torch's split strategy.
@@ -25,17 +26,27 @@ import torch
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate, Shard
-from dtensor_ext.torch_fixes import applied_to, restorer, swap_handlers, torch_fix, undo_all
+from dtensor_ext.torch_fixes import applied_to, generic_dispatch, restorer, swap_handlers, torch_fix, undo_all
 from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
 aten = torch.ops.aten
 
 
-def _squeeze_copy_as_dims(op_call, args, kwargs):
-    """`squeeze_copy()` / `squeeze_copy(dim)` as `squeeze_copy.dims`, which DTensor narrows to global size-1 dims."""
+def _squeeze_global_size_one_dims(op_call, args, kwargs):
+    """`squeeze_copy()` / `squeeze_copy(dim)` / `squeeze_copy(dims)` as `squeeze_copy.dim` calls, one per requested
+    dim whose GLOBAL size is 1, last dim first (a rank's shard of another dim may have local size 1: the local
+    kernel would squeeze it too); a copy where no requested dim has size 1."""
     self = args[0]
-    dims = tuple(range(self.ndim)) if op_call is aten.squeeze_copy.default else (args[1],)
-    return aten.squeeze_copy.dims(self, dims)
+    if op_call is aten.squeeze_copy.default:
+        dims = range(self.ndim)
+    else:
+        dims = args[1] if isinstance(args[1], (list, tuple)) else (args[1],)
+    if self.ndim == 0:  # a 0-dim tensor has no dim to squeeze
+        dims = ()
+    out = self
+    for dim in sorted({d % self.ndim for d in dims if self.shape[d] == 1}, reverse=True):
+        out = generic_dispatch(aten.squeeze_copy.dim, (out, dim), {})
+    return aten.clone.default(self) if out is self else out
 
 
 # unsafe variant -> the view op whose strategy it shares
@@ -68,16 +79,13 @@ def _refuses_single_piece(op) -> bool:
     why="a rank whose shard has size 1 drops the sharded dim: ranks disagree on ndim (invalid DTensor)",
 )
 def fix_squeeze_copy():
-    variants = _compat.squeeze_dims_variants()
-    op = aten.squeeze_copy.dims
-    if variants is None or op in variants or not _squeeze_copy_squeezes_local_dims():
+    if not _squeeze_copy_squeezes_local_dims():
         return None
-    undos = [restorer(op)]
-    _compat.register_view_strategy(op, torch.squeeze, schema_info=_compat.RuntimeSchemaInfo(1))
-    variants[op] = op
-    undos.append(lambda: variants.pop(op, None))
-    undos.append(swap_handlers({overload: _squeeze_copy_as_dims
-                                for overload in (aten.squeeze_copy.default, aten.squeeze_copy.dim)}))
+    undos = [restorer(aten.squeeze_copy.dim)]  # 2.11's squeeze dim map takes one dim, not a list
+    _compat.register_view_strategy(aten.squeeze_copy.dim, torch.squeeze, schema_info=_compat.RuntimeSchemaInfo(1))
+    undos.append(swap_handlers(dict.fromkeys(
+        (aten.squeeze_copy.default, aten.squeeze_copy.dim, aten.squeeze_copy.dims), _squeeze_global_size_one_dims
+    )))
     return undo_all(undos)
 
 

@@ -7,7 +7,10 @@ local kernels raise on an empty input although the op's result on it is simply e
 channels (max/avg pools, adaptive max pools, 3-D adaptive avg pool; 2.15's single-dim pooling rules shard the
 channel dim), `max`/`min` without a dim, `amax`/`amin`/`aminmax`/`argmax`/`argmin` over an empty dim and
 `linalg_vector_norm` for orders without an identity (inf, negative). Each kernel is probed on its own, and
-`registry()` lists as fixed only the ops whose probe found the rejection. Where a
+`registry()` lists as fixed only the ops whose probe found the rejection and that DTensor shards at all (2.11 has
+no strategy for the FFTs or pooling: they are "not needed" there). Ops torch shards only through its decomposition
+fallback (2.12's batch norm without stats, 2.11's `norm.Scalar`; the fallback then runs the op's own kernel on every
+shard) are steered there, where a feature check finds the fallback sharding them. Where a
 feature check finds the running torch's CPU kernel rejecting an empty input, these ops' strategies lose exactly
 the layouts that leave some rank an empty shard of a dim the kernel needs non-empty; DTensor's cost model then
 picks the cheapest layout left (argmax/argmin, which torch runs through a custom handler, get their input moved
@@ -43,8 +46,8 @@ GuardedDims = Callable[[OpSchema], tuple[int, ...]]
 class EmptyRejecting:
     """How one op's kernel treats an empty input."""
 
-    # runs the CPU kernel on a small input with an empty dim, with arguments under which it should be rejected
-    probe: Callable[[], object]
+    # the arguments of a call on a small input with an empty dim under which the kernel should reject it
+    probe_args: Callable[[], tuple]
     # the dims of the first tensor input that no rank may hold empty in this call (() where the call takes empty)
     guarded_dims: GuardedDims
 
@@ -113,82 +116,93 @@ def _no_channels(*batch_and_spatial: int) -> torch.Tensor:
 def kernels() -> dict:
     """The ops whose CPU kernel may reject an empty input, with a probe and the dims each call needs non-empty."""
     return {
-        aten._fft_c2c.default: EmptyRejecting(lambda: aten._fft_c2c(_no_rows(torch.cfloat), [1], 0, True), _every_dim),
-        aten._fft_r2c.default: EmptyRejecting(lambda: aten._fft_r2c(_no_rows(), [1], 0, True), _every_dim),
-        aten._fft_c2r.default: EmptyRejecting(lambda: aten._fft_c2r(_no_rows(torch.cfloat), [1], 0, 6), _every_dim),
+        aten._fft_c2c.default: EmptyRejecting(lambda: (_no_rows(torch.cfloat), [1], 0, True), _every_dim),
+        aten._fft_r2c.default: EmptyRejecting(lambda: (_no_rows(), [1], 0, True), _every_dim),
+        aten._fft_c2r.default: EmptyRejecting(lambda: (_no_rows(torch.cfloat), [1], 0, 6), _every_dim),
         aten.native_batch_norm.default: EmptyRejecting(
-            lambda: aten.native_batch_norm(_no_channels(2, 3), None, None, None, None, True, 0.1, 1e-5),
+            lambda: (_no_channels(2, 3), None, None, None, None, True, 0.1, 1e-5),
             _every_dim_when_training,
         ),
         aten._native_batch_norm_legit.default: EmptyRejecting(
-            lambda: aten._native_batch_norm_legit(
-                _no_channels(2, 3), None, None, _no_channels(), _no_channels(), True, 0.1, 1e-5
-            ),
+            lambda: (_no_channels(2, 3), None, None, _no_channels(), _no_channels(), True, 0.1, 1e-5),
             _every_dim_when_training,
         ),
         aten._native_batch_norm_legit.no_stats: EmptyRejecting(
-            lambda: aten._native_batch_norm_legit.no_stats(_no_channels(2, 3), None, None, True, 0.1, 1e-5),
+            lambda: (_no_channels(2, 3), None, None, True, 0.1, 1e-5),
             _every_dim_when_training,
         ),
         aten._batch_norm_with_update.default: EmptyRejecting(
-            lambda: aten._batch_norm_with_update(
-                _no_channels(2, 3), None, None, _no_channels(), _no_channels(), 0.1, 1e-5
-            ),
+            lambda: (_no_channels(2, 3), _no_channels(), _no_channels(), _no_channels(), _no_channels(), 0.1, 1e-5),
             _every_dim_when_training,
         ),
-        aten.avg_pool1d.default: EmptyRejecting(lambda: aten.avg_pool1d(_no_channels(1, 4), [2]), _non_batch_dims(1)),
+        aten.avg_pool1d.default: EmptyRejecting(lambda: (_no_channels(1, 4), [2]), _non_batch_dims(1)),
         aten.max_pool1d_with_indices.default: EmptyRejecting(
-            lambda: aten.max_pool1d_with_indices(_no_channels(1, 4), [2]), _non_batch_dims(1)
+            lambda: (_no_channels(1, 4), [2]), _non_batch_dims(1)
         ),
         aten.max_pool2d_with_indices.default: EmptyRejecting(
-            lambda: aten.max_pool2d_with_indices(_no_channels(1, 4, 4), [2, 2]), _non_batch_dims(2)
+            lambda: (_no_channels(1, 4, 4), [2, 2]), _non_batch_dims(2)
         ),
         aten.max_pool2d_with_indices_backward.default: EmptyRejecting(
-            lambda: aten.max_pool2d_with_indices_backward(
-                _no_channels(1, 2, 2), _no_channels(1, 4, 4), [2, 2], [2, 2], [0, 0], [1, 1], False,
-                _no_channels(1, 2, 2).long(),
-            ),
+            lambda: (_no_channels(1, 2, 2), _no_channels(1, 4, 4), [2, 2], [2, 2], [0, 0], [1, 1], False,
+                     _no_channels(1, 2, 2).long()),
             _non_batch_dims(2),
         ),
         aten.max_pool3d_with_indices.default: EmptyRejecting(
-            lambda: aten.max_pool3d_with_indices(_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
+            lambda: (_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
         ),
-        aten.avg_pool2d.default: EmptyRejecting(lambda: aten.avg_pool2d(_no_channels(1, 4, 4), [2, 2]),
+        aten.avg_pool2d.default: EmptyRejecting(lambda: (_no_channels(1, 4, 4), [2, 2]),
                                                 _non_batch_dims(2)),
-        aten.avg_pool3d.default: EmptyRejecting(lambda: aten.avg_pool3d(_no_channels(1, 2, 4, 4), [2, 2, 2]),
+        aten.avg_pool3d.default: EmptyRejecting(lambda: (_no_channels(1, 2, 4, 4), [2, 2, 2]),
                                                 _non_batch_dims(3)),
         aten.adaptive_max_pool2d.default: EmptyRejecting(
-            lambda: aten.adaptive_max_pool2d(_no_channels(1, 4, 4), [2, 2]), _non_batch_dims(2)
+            lambda: (_no_channels(1, 4, 4), [2, 2]), _non_batch_dims(2)
         ),
         aten.adaptive_max_pool3d.default: EmptyRejecting(
-            lambda: aten.adaptive_max_pool3d(_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
+            lambda: (_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
         ),
         aten._adaptive_avg_pool3d.default: EmptyRejecting(
-            lambda: aten._adaptive_avg_pool3d(_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
+            lambda: (_no_channels(1, 2, 4, 4), [2, 2, 2]), _non_batch_dims(3)
         ),
-        aten.max.default: EmptyRejecting(lambda: aten.max(_no_rows()), _every_dim),
-        aten.min.default: EmptyRejecting(lambda: aten.min(_no_rows()), _every_dim),
-        aten.amax.default: EmptyRejecting(lambda: aten.amax(_no_rows()), _reduced_dims),
-        aten.amin.default: EmptyRejecting(lambda: aten.amin(_no_rows()), _reduced_dims),
-        aten.aminmax.default: EmptyRejecting(lambda: aten.aminmax(_no_rows()), _reduced_dims),
-        aten.argmax.default: EmptyRejecting(lambda: aten.argmax(_no_rows()), _reduced_dims),
-        aten.argmin.default: EmptyRejecting(lambda: aten.argmin(_no_rows()), _reduced_dims),
+        aten.max.default: EmptyRejecting(lambda: (_no_rows(),), _every_dim),
+        aten.min.default: EmptyRejecting(lambda: (_no_rows(),), _every_dim),
+        aten.amax.default: EmptyRejecting(lambda: (_no_rows(),), _reduced_dims),
+        aten.amin.default: EmptyRejecting(lambda: (_no_rows(),), _reduced_dims),
+        aten.aminmax.default: EmptyRejecting(lambda: (_no_rows(),), _reduced_dims),
+        aten.argmax.default: EmptyRejecting(lambda: (_no_rows(),), _reduced_dims),
+        aten.argmin.default: EmptyRejecting(lambda: (_no_rows(),), _reduced_dims),
         aten.linalg_vector_norm.default: EmptyRejecting(
-            lambda: aten.linalg_vector_norm(_no_rows(), float("inf")), _reduced_dims_without_identity
+            lambda: (_no_rows(), float("inf")), _reduced_dims_without_identity
         ),
-        aten.norm.Scalar: EmptyRejecting(lambda: aten.norm.Scalar(_no_rows(), float("inf")),
+        aten.norm.Scalar: EmptyRejecting(lambda: (_no_rows(), float("inf")),
                                          _reduced_dims_without_identity),
     }
 
 
-def rejects_empty_input(kernel: EmptyRejecting) -> bool:
+def rejects_empty_input(op, kernel: EmptyRejecting) -> bool:
     """The feature check: whether the running torch's kernel raises on the probe's empty input."""
     try:
         with _compat.outside_dispatch_modes():  # the real kernel, also when install() runs under a fake mode
-            kernel.probe()
+            op(*kernel.probe_args())
     except (RuntimeError, IndexError):  # torch's checks raise one or the other (TORCH_CHECK / TORCH_CHECK_INDEX)
         return True
     return False
+
+
+def replicated_probe_args(kernel: EmptyRejecting) -> tuple:
+    """The probe's arguments with each tensor as a replicated DTensorSpec on a probe mesh and its empty dims of size
+    1 (what sharding propagation needs to trace the op)."""
+    return tuple(
+        _compat.probe_spec(a.new_zeros([max(size, 1) for size in a.shape]), (Replicate(),))
+        if isinstance(a, torch.Tensor) else a
+        for a in kernel.probe_args()
+    )
+
+
+def _decomposition_shards(op, kernel: EmptyRejecting) -> bool:
+    """The feature check for an op torch shards only through its decomposition fallback: whether that fallback
+    finds a strategy for the probe's call (2.11's finds none for batch norm, 2.12's does, and then runs the op's own
+    kernel on every rank's shard)."""
+    return _compat.propagates(op, replicated_probe_args(kernel))
 
 
 def starves_a_rank(spec: DTensorSpec, dims: tuple[int, ...]) -> bool:
@@ -270,9 +284,27 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
     if kind == "single_dim":
         keeps = feeds_every_rank(kernel.guarded_dims)
         return single_dim_as_op_strategy(op, lambda rule: filtered_single_dim(rule, keeps))
-    if kind != "op_strategy":
-        return None  # torch does not shard the op itself: nothing of torch's to steer
-    return wrap_strategies([op], lambda torch_strategy: runnable_op_strategy(torch_strategy, kernel.guarded_dims))
+    if kind == "op_strategy":
+        return wrap_strategies([op], lambda torch_strategy: runnable_op_strategy(torch_strategy, kernel.guarded_dims))
+    return None  # torch does not shard the op itself, or only through its decomposition fallback (steered apart)
+
+
+def _steer_decompositions(steered: dict) -> Undo:
+    """torch's decomposition fallback without the layouts that starve a rank, for the ops in `steered` (op ->
+    EmptyRejecting). The fallback offers every layout its trace allows, all-Replicate included, so dropping the
+    starving ones always leaves one that runs."""
+
+    def wrap(torch_strategy: Callable) -> Callable:
+        def strategy(op_schema: OpSchema) -> OpStrategy | None:
+            offered = torch_strategy(op_schema)
+            kernel = steered.get(op_schema.op)
+            if offered is None or kernel is None:
+                return offered
+            return _runnable(offered, kernel.guarded_dims(op_schema))
+
+        return strategy
+
+    return _compat.wrap_decomposition_strategy(wrap)
 
 
 @torch_fix(
@@ -294,9 +326,13 @@ def _steer(op, kernel: EmptyRejecting) -> Undo | None:
     "inf/negative norms) raises on the empty input",
 )
 def fix_empty_shards():
-    steered = {
-        op: undo
-        for op, kernel in kernels().items()
-        if rejects_empty_input(kernel) and (undo := _steer(op, kernel)) is not None
+    rejecting = {op: kernel for op, kernel in kernels().items() if rejects_empty_input(op, kernel)}
+    steered = {op: undo for op, kernel in rejecting.items() if (undo := _steer(op, kernel)) is not None}
+    through_decomposition = {
+        op: kernel for op, kernel in rejecting.items()
+        if _compat.torch_strategy_kind(op) == "decomposition" and _decomposition_shards(op, kernel)
     }
-    return applied_to(list(steered), undo_all(list(steered.values()))) if steered else None
+    if through_decomposition:
+        steered.update(dict.fromkeys(through_decomposition, _steer_decompositions(through_decomposition)))
+    undos = list(dict.fromkeys(steered.values()))  # the decomposition steer is one undo for all its ops
+    return applied_to(list(steered), undo_all(undos)) if steered else None

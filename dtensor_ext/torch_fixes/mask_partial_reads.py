@@ -3,12 +3,22 @@
 A vocab-sharded embedding returns `_MaskPartial`: each rank looked up rows it does not own and keeps a mask of them,
 zeroed when the partial sum is reduced. torch releases the mask after the first reduction, so a second consumer of
 the same tensor (Hugging Face's RMSNorm reads its input twice; the residual add reads it again) hits a bare
-`AssertionError` in `_MaskPartial._reduce_value`. The mask belongs to the tensor, not to one read: the fix takes
-one more reference on the mask before each reduction torch carries out, so torch's release leaves it in place for
-the next reader. Masking again is idempotent (torch zeroes the rows in the local tensor itself).
+`AssertionError` in `_MaskPartial._reduce_value`. The mask belongs to the tensor, not to one read: at the first
+reduction the fix takes a reference of its own on the mask, so torch's release leaves it for the next readers
+(masking again is idempotent: torch zeroes the rows in the local tensor itself), and each later read adds the
+reference its reduction releases.
+
+DTensor caches the strategy it picks, so every lookup of the same shapes shares one placement, hence one mask
+buffer: the next step's lookup (or, under torch.compile, AOTAutograd's trace after dynamo's) partitions new indices
+into the buffer the fix still holds. The fix lets go of its reference first, so the buffer takes the new mask as it
+does in torch alone; holding on would compare the new mask with the old one (eager: "MaskBuffer has been
+materialized with conflicting data" at the second step; compile: a mask of dynamo's fake mode compared with one of
+AOTAutograd's, "Mixing fake modes").
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -29,8 +39,25 @@ def _releases_mask_on_reduction() -> bool:
     return placement.mask_buffer.data is None
 
 
-def _kept_masks(spec) -> list:
-    return [p.mask_buffer for p in spec.placements if isinstance(p, MaskPartial) and p.mask_buffer.data is not None]
+def _moved_masks(current_spec, target_spec) -> tuple[list, list]:
+    """(buffers a move reduces, buffers it partitions into): a `_MaskPartial` left or entered on some mesh dim."""
+    reduced, partitioned = [], []
+    for current, target in zip(current_spec.placements, target_spec.placements):
+        if current != target:  # a _MaskPartial equals only itself (the same buffer)
+            if isinstance(current, MaskPartial):
+                reduced.append(current.mask_buffer)
+            if isinstance(target, MaskPartial):
+                partitioned.append(target.mask_buffer)
+    return reduced, partitioned
+
+
+def _pointwise_reads_reduce_the_mask() -> bool:
+    """Whether DTensor reduces `_MaskPartial` inputs before a pointwise op reads them (2.12+). 2.11 passes the
+    placement on to `e * e` and `e + e`, and a later reduction then fails applying a mask of another shape
+    (IndexError, with torch alone too): there is no single read left for this fix to keep the mask for."""
+    masked = _compat.probe_spec(torch.zeros(2, 3), (MaskPartial(offset_shape=torch.Size([4]), offset_dim=0),))
+    out = _compat.output_placements(torch.ops.aten.add.Tensor, (masked, masked))
+    return out is not None and not any(isinstance(p, MaskPartial) for p in out)
 
 
 @torch_fix(
@@ -41,12 +68,37 @@ def _kept_masks(spec) -> list:
 def fix_mask_partial_reads():
     if not _releases_mask_on_reduction():
         return None
+    if not _pointwise_reads_reduce_the_mask():
+        raise _compat.TorchLacks("_MaskPartial read twice", "torch >= 2.12 (_MaskPartial inputs reduced before "
+                                 "pointwise ops read them)")
     torch_redistribute = _compat.dispatch_redistributor()
+    held = weakref.WeakValueDictionary()  # id -> mask buffer on which the fix holds one reference
+
+    def let_go(buffer) -> None:
+        if held.pop(id(buffer), None) is not None and buffer.refcount > 0:
+            buffer.release_mask()
+
+    def keep(buffer) -> None:
+        if buffer.data is None:
+            return  # nothing to keep: torch's own check reports the read
+        if id(buffer) not in held:
+            buffer.refcount += 1  # the fix's reference: torch's release leaves the mask for later reads
+            held[id(buffer)] = buffer
+        elif buffer.refcount == 1:
+            buffer.refcount += 1  # only the fix's reference is left: this read's reduction releases the one added
 
     def redistribute(local_tensor, current_spec, target_spec, **kwargs):
-        for buffer in _kept_masks(current_spec):
-            buffer.refcount += 1  # one more holder: torch's release leaves the mask for later reads
+        reduced, partitioned = _moved_masks(current_spec, target_spec)
+        for buffer in partitioned:
+            let_go(buffer)
+        for buffer in reduced:
+            keep(buffer)
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
 
+    def undo() -> None:
+        _compat.set_dispatch_redistributor(torch_redistribute)
+        for buffer in list(held.values()):
+            let_go(buffer)
+
     _compat.set_dispatch_redistributor(redistribute)
-    return lambda: _compat.set_dispatch_redistributor(torch_redistribute)
+    return undo

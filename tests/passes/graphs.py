@@ -3,11 +3,15 @@ every rank of a simulated mesh."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from dtensor_ext import _compat
 from dtensor_ext.passes.inductor import SequenceParallelPass
 
 from dtensor_ext.testing.mesh import active_mode, local_values
@@ -18,6 +22,15 @@ c10d = torch.ops._c10d_functional
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Inside a simulated mesh, a place where torch.compile traces plain tensors: the simulated ranks' patches
+    undone and their mode off the dispatch stack. (Dynamo skips every frame under a dispatch mode that does not
+    declare it ignores compile internals; LocalTensorMode declares so only from torch 2.13, disabled or not.)"""
+    with active_mode().disable(), _compat.outside_dispatch_modes():
+        yield
 
 
 def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

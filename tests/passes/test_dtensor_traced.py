@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
@@ -30,7 +32,9 @@ def tp_stack(mesh, embed, w_up, w_down, ln):
 
 
 def trace_and_run(model):
-    """Trace ``model(mesh, *inputs)`` twice, rewrite one, assert equal outputs on every rank; both graphs."""
+    """Trace ``model(mesh, *inputs)`` twice, rewrite one, assert equal outputs on every rank; both graphs and the
+    code of the rewritten one before the pass. (The two traces may differ: a trace on cold sharding caches also
+    records, as dead nodes, what torch 2.11/2.12 run on fake tensors to propagate shapes.)"""
     inputs = [EMBED, W_UP, W_DOWN, LN]
     with simulated_mesh((WORLD,)) as mesh:
 
@@ -38,16 +42,18 @@ def trace_and_run(model):
             with active_mode().disable():
                 return make_fx(lambda *args: model(mesh, *args), tracing_mode="fake")(EMBED[0], W_UP[0], W_DOWN[0], LN)
 
-        original, rewritten = traced(), sequence_parallel(traced())
+        original, rewritten = traced(), traced()
+        code_before = rewritten.code
+        sequence_parallel(rewritten)
         before, after = run(original, inputs), run(rewritten, inputs)
     for ref, got in zip(before, after):
         for rank in range(WORLD):
             torch.testing.assert_close(got[rank], ref[rank])
-    return original, rewritten
+    return original, rewritten, code_before
 
 
 def test_dtensor_colwise_rowwise_stack_is_rewritten_and_matches():
-    original, rewritten = trace_and_run(tp_stack)
+    original, rewritten, _ = trace_and_run(tp_stack)
     assert_expected_inline(collective_ops(original), """all_reduce all_reduce all_reduce""")
     assert_expected_inline(
         rewritten.meta["sequence_parallel"].summary(),
@@ -65,7 +71,11 @@ def test_joint_forward_backward_graph_is_left_untouched_with_equal_gradients():
         out = tp_stack(mesh, embed, w_up, w_down, ln)
         return out.detach(), *torch.autograd.grad(out.pow(2).sum(), [embed, w_up])
 
-    original, rewritten = trace_and_run(with_grads)
-    assert rewritten.code == original.code
+    _, rewritten, code_before = trace_and_run(with_grads)
+    assert rewritten.code == code_before
     assert rewritten.meta["sequence_parallel"].converted == 0
-    assert "would move 2.04x the bytes" in rewritten.meta["sequence_parallel"].skipped[0]
+    # declined by the cost check; the ratio follows the replicated reads in torch's own backward strategies (2.04x
+    # on 2.12-2.15, 1.23x on 2.11), any ratio above 1 must decline at the default byte_tolerance of 0
+    skipped = rewritten.meta["sequence_parallel"].skipped
+    ratio = re.search(r"would move ([0-9.]+)x the bytes", skipped[0])
+    assert ratio is not None and float(ratio.group(1)) > 1, skipped

@@ -13,8 +13,7 @@ from dtensor_ext.passes import elementwise, register_gather_point, register_toke
 from dtensor_ext.passes.inductor import SequenceParallelPass
 from dtensor_ext.passes.token_local import GATHER_POINTS, TOKEN_LOCAL
 from dtensor_ext.testing import simulated_mesh
-from dtensor_ext.testing.mesh import active_mode
-from tests.passes.graphs import WORLD, RecordingPass, all_reduce, collective_ops, per_rank, rms, run
+from tests.passes.graphs import WORLD, RecordingPass, all_reduce, collective_ops, compiling, per_rank, rms, run
 
 T, H, F_ = 8, 16, 8
 EMBED, W1, W2, LN = per_rank(T, H, seed=0), per_rank(H, F_, seed=1), per_rank(F_, H, seed=2), torch.randn(H)
@@ -32,7 +31,7 @@ def test_compiled_block_is_rewritten_and_post_grad_graphs_agree():
 
         # No FX graph cache: a hit would skip the post-grad passes and leave nothing to record.
         settings = {"post_grad_custom_post_pass": compile_pass, "fx_graph_cache": False}
-        with active_mode().disable(), inductor_config.patch(settings):
+        with compiling(), inductor_config.patch(settings):
             out, (code, *_) = run_and_get_code(torch.compile(block, fullgraph=True), EMBED[0], LN, W1[0], W2[0])
         # Post-grad placeholders are the compiled inputs; their shapes differ, so match them by shape.
         by_shape = {tuple(v[0].shape if isinstance(v, list) else v.shape): v for v in (EMBED, LN, W1, W2)}
@@ -88,7 +87,7 @@ def test_warm_cache_carries_the_rewrite_iff_installed_and_keeps_reports(tmp_path
     from dtensor_ext.passes import install_sequence_parallel
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    with simulated_mesh((WORLD,)) as mesh, active_mode().disable():
+    with simulated_mesh((WORLD,)) as mesh, compiling():
         group = mesh.get_group().group_name
 
         def block(e, ln, w1, w2):

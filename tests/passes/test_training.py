@@ -19,7 +19,7 @@ from dtensor_ext.passes import install_sequence_parallel, sequence_parallel
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.testing.mesh import active_mode
 from examples.sequence_parallel_training import Copy, Reduce
-from tests.passes.graphs import WORLD, RecordingPass, collective_ops, per_rank, rms, run, trace
+from tests.passes.graphs import WORLD, RecordingPass, collective_ops, compiling, per_rank, rms, run, trace
 
 ROOT = Path(__file__).resolve().parents[2]
 T, H, F_, V = 16, 16, 8, 8
@@ -65,7 +65,7 @@ def test_joint_graph_is_rewritten_as_one_and_gradients_match():
 
 @pytest.fixture
 def fake_group():
-    with simulated_mesh((WORLD,)) as mesh, active_mode().disable():
+    with simulated_mesh((WORLD,)) as mesh, compiling():
         yield mesh.get_group().group_name
 
 
@@ -124,7 +124,7 @@ def test_dynamic_batch_or_token_count_is_rewritten(dynamic_dim, other_size):
     params = [LN, W1[0], W2[0], HEAD[0]]
     with simulated_mesh((WORLD,)) as mesh:
         group = mesh.get_group().group_name
-        with active_mode().disable(), inductor_config.patch(fx_graph_cache=False, joint_custom_pre_pass=recorder):
+        with compiling(), inductor_config.patch(fx_graph_cache=False, joint_custom_pre_pass=recorder):
             loss_fn = torch.compile(lambda *args: tp_loss(*args, group), fullgraph=True)
             embed = batch[0].clone().requires_grad_()
             torch._dynamo.mark_dynamic(embed, dynamic_dim)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from dtensor_ext.rules import indexing
 from dtensor_ext.testing import MESH_SHAPES, check_rule, place_dtensor, simulated_mesh
 from dtensor_ext.testing.strategies import dims
+from tests.rules.proof import NEEDS_TORCH_VALIDATOR
 
 aten = torch.ops.aten
 MESHES = list(MESH_SHAPES.values())
@@ -232,6 +233,7 @@ VALIDATED_OPINFOS = ["index_add", "index_copy", "scatter_reduce", "scatter", "ma
 
 
 @pytest.mark.parametrize("name", VALIDATED_OPINFOS)
+@NEEDS_TORCH_VALIDATOR
 def test_torch_validator_finds_no_wrong_rule(mesh_1d2, name):
     from dtensor_ext._compat import compare_operator
 

@@ -7,10 +7,11 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import dtensor_ext  # noqa: F401  (installs the rules)
-from dtensor_ext._compat import compare_operator, is_placeholder, tensor_meta
-from dtensor_ext.rules.matmul import addmv_rule
-from dtensor_ext.testing import check_rule, place_dtensor, sample_tensor
+from dtensor_ext._compat import compare_operator
+from dtensor_ext.rules.matmul import addmv_pieces_keep_their_shape
+from dtensor_ext.testing import check_rule, place_dtensor, sample_tensor, simulated_mesh
 from dtensor_ext.testing.strategies import dims
+from tests.rules.proof import NEEDS_TORCH_VALIDATOR
 
 aten = torch.ops.aten
 
@@ -65,8 +66,14 @@ def test_rule_is_proven_on_every_mesh(name, mesh_shape, m, k, n, b, bias):
         m, k, n = 17 + m, 8 * k, 8 * n
     op, args, kwargs = SAMPLES[name](m, k, n, b, bias)
     report = check_rule(op, args, kwargs, mesh_shape=mesh_shape, search_missing=False)
-    assert report.ok, str(report)
     assert report.checked == report.rows ** len(mesh_shape)
+    if name == "addmv":  # a refuted combination must be one whose layout the rule's `layouts` filter drops
+        bias_shape, mat_shape = args[0].shape, args[1].shape
+        kept = [f for f in report.failures if addmv_pieces_keep_their_shape(
+            bias_shape, mat_shape, mesh_shape, f.combination.inputs[1])]
+        assert not kept, "\n".join(map(str, kept))
+    else:
+        assert report.ok, str(report)
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -83,19 +90,36 @@ def test_no_valid_1d_combination_is_missed_beyond_known_sample_coincidences(name
                    if not p[0].is_replicate()), str(combo)
 
 
-def test_uneven_empty_shard_case_that_torch_addmv_gets_wrong_is_not_claimed():
-    # addmv(b[1], m[5, 0], v[0]) returns shape [1]: a rule sharding k with a broadcast bias would be wrong.
+def test_addmv_with_a_broadcast_bias_shards_unless_a_rank_gets_an_empty_matrix_piece():
+    """addmv(b[1], m[5, 0], v[0]) returns shape [1]: the rows and k of a matrix shard with a broadcast bias only
+    where no rank's piece is empty. The checker refutes exactly such layouts, DTensor never picks one, and where the
+    pieces are all non-empty the rows stay sharded with no collective (as through torch's decomposition)."""
+    from dtensor_ext.testing import local_values
+    from dtensor_ext.tools.comm_stats import CommStatsMode
+
     op, args, kwargs = SAMPLES["addmv"](5, 7, 1, 1, "one")
-    report = check_rule(op, args, kwargs, mesh_shape=(2, 2, 2))
-    assert report.ok, str(report)
-    metas = [tensor_meta(t) for t in args]
-    assert not any(is_placeholder(p) for row in addmv_rule(op, metas, {}) for p in row)
+    report = check_rule(op, args, kwargs, mesh_shape=(4,))
+    refuted = {f.combination.inputs[1] for f in report.failures}
+    assert refuted and all(not addmv_pieces_keep_their_shape((1,), (5, 7), (4,), p) for p in refuted)
+    bias, mat, vec = args
+    expected = torch.addmv(bias, mat, vec, **kwargs)
+    for mesh_shape, placements, free in [((4,), [Shard(0)], False), ((2, 2), [Shard(0), Shard(1)], True)]:
+        with simulated_mesh(mesh_shape) as mesh:
+            d_mat = distribute_tensor(mat, mesh, placements)
+            d_bias, d_vec = (distribute_tensor(t, mesh, [Replicate()] * len(mesh_shape)) for t in (bias, vec))
+            comm = CommStatsMode()
+            with comm:
+                out = torch.addmv(d_bias, d_mat, d_vec, **kwargs)
+            assert bool(comm.stats.collectives) != free, (mesh_shape, out.placements)
+            for v in local_values(out.full_tensor()).values():
+                torch.testing.assert_close(v, expected)
 
 
 OPINFO_NAMES = ["mv", "addmv", "addr", "vdot", "addbmm"]
 
 
 @pytest.mark.parametrize("name", OPINFO_NAMES)
+@NEEDS_TORCH_VALIDATOR
 def test_torch_strategy_validation_finds_nothing_incorrect(name, mesh_1d2):
     """torch's own validator, an independent oracle. float64: its fixed 1e-5 tolerance trips on float32 rounding."""
     stats = compare_operator(

@@ -59,26 +59,52 @@ def assert_close_at_bf16(actual, expected):
     assert error < 1e-2, f"relative error {error:.3g}"
 
 
-# The x and router gradients come out of the sharded experts Partial. torch 2.13 reduce-scatters two of them
-# (x's gradient ends Shard(0), the router's stays Partial); 2.14's own rules plan one all-reduce instead (x's
-# gradient stays Partial, the router's is replicated). Either way nothing beyond that reduction.
-if tuple(int(v) for v in _compat.TORCH_VERSION.split(".")[:2]) < (2, 14):
-    BACKWARD_COLLECTIVES = {"c10d_functional.reduce_scatter_tensor": 2}
-    X_AND_ROUTER_GRADS = [(Shard(0),), (Partial("sum"),)]
-else:
-    BACKWARD_COLLECTIVES = {"c10d_functional.all_reduce": 1}
-    X_AND_ROUTER_GRADS = [(Partial("sum"),), (Replicate(),)]
+def _topk_gradient_scattered_by_tokens() -> bool:
+    """How the running torch places the scatter in topk's backward: a replicated [tokens, experts] zeros, replicated
+    indices and the Partial(sum) gradient of the chosen gates (feature check on a 2-rank probe mesh). Sharded on
+    tokens (torch 2.13), DTensor reduce-scatters the partial gradients; replicated (2.11, 2.12, 2.14+), it
+    all-reduces them once."""
+    zeros, index, gates = torch.zeros(TOKENS, EXPERTS), torch.zeros(TOKENS, TOP_K, dtype=torch.long), torch.zeros(
+        TOKENS, TOP_K)
+    args = (_compat.probe_spec(zeros, (Replicate(),)), 1, _compat.probe_spec(index, (Replicate(),)),
+            _compat.probe_spec(gates, (Partial("sum"),)))
+    return _compat.output_placements(torch.ops.aten.scatter.src, args) == (Shard(0),)
+
+
+def _topk_backward_runs_on_dtensors(probe: torch.Tensor, mesh) -> bool:
+    """Feature check: the backward of topk over a replicated DTensor (`probe` placed on `mesh`) runs."""
+    x = distribute_tensor(probe, mesh, [Replicate()]).requires_grad_()
+    try:
+        torch.topk(x, 1, dim=-1)[0].sum().backward()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _planned_backward() -> tuple[dict[str, int], list[tuple]]:
+    """The backward's collectives and the x and router gradients' placements. Those gradients come out of the
+    sharded experts Partial; torch's placement of the topk backward decides how they are reduced: two
+    reduce-scatters (x's gradient ends Shard(0), the router's stays Partial) or one all-reduce (x's gradient stays
+    Partial, the router's is replicated). Either way nothing beyond that reduction."""
+    if _topk_gradient_scattered_by_tokens():
+        return {"c10d_functional.reduce_scatter_tensor": 2}, [(Shard(0),), (Partial("sum"),)]
+    return {"c10d_functional.all_reduce": 1}, [(Partial("sum"),), (Replicate(),)]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_tensor_parallel_moe_block_matches_one_device_with_only_the_planned_collectives(ranks):
+    backward_collectives, x_and_router_grads = _planned_backward()
     params = parameters()
     reference = [p.clone().requires_grad_() for p in params]
     expected = moe_block(*reference)
     expected.square().sum().backward()
 
     placements = (Replicate(), Replicate(), Shard(2), Shard(1))  # x, router, w1 (colwise), w2 (rowwise)
+    probe = torch.ones(2, 2)
     with simulated_mesh((ranks,)) as mesh:
+        if not _topk_backward_runs_on_dtensors(probe, mesh):
+            pytest.skip("torch's topk backward scatters the DTensor gradient into a plain zeros tensor (torch 2.11): "
+                        "the router's gradient cannot be computed on DTensors")
         sharded = [distribute_tensor(p, mesh, [pl]).requires_grad_() for p, pl in zip(params, placements)]
         with CommDebugMode() as forward:
             out = moe_block(*sharded)
@@ -89,11 +115,11 @@ def test_tensor_parallel_moe_block_matches_one_device_with_only_the_planned_coll
         assert counted(gather) == {"c10d_functional.all_reduce": 1}
         with CommDebugMode() as backward:
             out.square().sum().backward()
-        assert counted(backward) == BACKWARD_COLLECTIVES
+        assert counted(backward) == backward_collectives
 
         assert_close_at_bf16(out.full_tensor(), expected.detach())
         grad_placements = [p.grad.placements for p in sharded]
-        assert grad_placements == [*X_AND_ROUTER_GRADS, (Shard(2),), (Shard(1),)]
+        assert grad_placements == [*x_and_router_grads, (Shard(2),), (Shard(1),)]
         for param, ref in zip(sharded, reference):
             assert_close_at_bf16(param.grad.full_tensor(), ref.grad)
 

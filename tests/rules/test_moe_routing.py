@@ -30,7 +30,9 @@ def test_torch_shards_the_routing_ops_itself():
         assert _compat.torch_strategy_kind(op) in _compat.DIRECT_STRATEGY_KINDS, op
     entries = {e.op: e for e in dtensor_ext.registry()}
     assert entries["aten::scatter_add.default"].status == "skipped"  # until install(upgrade=...) asks for it
-    assert not any(e.op.startswith(("aten::topk", "aten::sort", "aten::histc", "aten::bincount")) for e in entries.values())
+    # no rule of the package replaces torch's (the static_args torch fix only widens torch's cache key for topk/histc)
+    assert not any(e.op.startswith(("aten::topk", "aten::sort", "aten::histc", "aten::bincount"))
+                   for e in entries.values() if e.family != "torch fix")
 
 
 def _routing_outputs(logits, experts):

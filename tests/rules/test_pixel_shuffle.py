@@ -1,14 +1,17 @@
-"""Proofs for pixel_shuffle / pixel_unshuffle: Partial passes, pixel_shuffle's batch dims shard, C/H/W stay whole;
+"""Proofs for pixel_shuffle / pixel_unshuffle: Partial passes, every dim shards where the chunks line up (and, for
+pixel_unshuffle, no rank's piece is empty);
 channel_shuffle: every dim but the channels shards."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dtensor_ext.rules import pixel_shuffle
-from dtensor_ext.testing.checker import sample_tensor
+from dtensor_ext._compat import Shard
+from dtensor_ext.testing.checker import check_rule, sample_tensor
 from dtensor_ext.testing.mesh import simulated_mesh
 from tests.rules.proof import PROVING_MESHES, assert_proven, assert_torch_validator_agrees
 
@@ -24,20 +27,57 @@ def shuffle_samples(draw):
     return batch, channels, height, width, factor
 
 
-@PROVING_MESHES
-@given(sample=shuffle_samples())
-def test_pixel_shuffle_proven(mesh_shape, sample):
-    batch, channels, height, width, r = sample
-    x = sample_tensor((*batch, channels * r * r, height, width))
-    assert_proven(aten.pixel_shuffle.default, [x, r], rule=pixel_shuffle.pixel_shuffle_rule, mesh_shape=mesh_shape)
+def _assert_proven_where_kept(op, shape, r, rule, chunks_align, mesh_shape):
+    """Every combination the rule emits reassembles to the single-device result, or its layout is one that the
+    rule's `layouts` filter drops (an output chunk not made of its own input chunk, or an empty unshuffle piece)."""
+    report = check_rule(op, [sample_tensor(shape), r], mesh_shape=mesh_shape, rule=rule, search_missing=False)
+    assert report.checked == report.rows ** len(mesh_shape)
+    kept_but_wrong = [str(f) for f in report.failures if chunks_align(shape, r, mesh_shape, f.combination.inputs[0])]
+    assert not kept_but_wrong
 
 
 @PROVING_MESHES
 @given(sample=shuffle_samples())
-def test_pixel_unshuffle_proven(mesh_shape, sample):
+def test_pixel_shuffle_proven_where_its_chunks_align(mesh_shape, sample):
     batch, channels, height, width, r = sample
-    x = sample_tensor((*batch, channels, height * r, width * r))
-    assert_proven(aten.pixel_unshuffle.default, [x, r], rule=pixel_shuffle.pixel_unshuffle_rule, mesh_shape=mesh_shape)
+    _assert_proven_where_kept(aten.pixel_shuffle.default, (*batch, channels * r * r, height, width), r,
+                              pixel_shuffle.pixel_shuffle_rule, pixel_shuffle.shuffled_chunks_align, mesh_shape)
+
+
+@PROVING_MESHES
+@given(sample=shuffle_samples())
+def test_pixel_unshuffle_proven_where_its_chunks_align(mesh_shape, sample):
+    batch, channels, height, width, r = sample
+    _assert_proven_where_kept(aten.pixel_unshuffle.default, (*batch, channels, height * r, width * r), r,
+                              pixel_shuffle.pixel_unshuffle_rule, pixel_shuffle.unshuffled_chunks_align, mesh_shape)
+
+
+@pytest.mark.parametrize("mesh_shape, placements", [((4,), [Shard(2)]), ((2, 2), [Shard(2), Shard(3)]),
+                                                    ((2, 2), [Shard(1), Shard(2)])])
+def test_pixel_shuffle_keeps_aligned_chunks_and_moves_the_others(mesh_shape, placements):
+    """C, H and W stay sharded with no collective where the chunks line up (what torch's decomposition does), for
+    pixel_shuffle and pixel_unshuffle alike; where they do not (pixel_shuffle's H = 5 over 4 ranks, or 3 over 2,
+    with r = 2; unshuffle's 10 and 6 rows), the input moves and the result is right."""
+    from dtensor_ext.testing import local_values, place_dtensor
+    from dtensor_ext.tools.comm_stats import CommStatsMode
+
+    torch.manual_seed(0)
+    aligned, misaligned = torch.randn(1, 16, 4, 4), torch.randn(1, 16, 5, 3)
+    with simulated_mesh(mesh_shape) as mesh:
+        for op, inverse, chunks_align in [
+            (torch.pixel_shuffle, torch.pixel_unshuffle, pixel_shuffle.shuffled_chunks_align),
+            (torch.pixel_unshuffle, torch.pixel_shuffle, pixel_shuffle.unshuffled_chunks_align),
+        ]:
+            x = aligned if op is torch.pixel_shuffle else inverse(aligned, 2)
+            comm = CommStatsMode()
+            with comm:
+                out = op(place_dtensor(x, mesh, placements), 2)
+            assert out.placements == tuple(placements) and not comm.stats.collectives, op
+            assert all(v.equal(op(x, 2)) for v in local_values(out.full_tensor()).values())
+            y = misaligned if op is torch.pixel_shuffle else inverse(misaligned, 2)
+            assert not chunks_align(y.shape, 2, mesh_shape, placements)
+            moved = op(place_dtensor(y, mesh, placements), 2)
+            assert all(v.equal(op(y, 2)) for v in local_values(moved.full_tensor()).values())
 
 
 @PROVING_MESHES

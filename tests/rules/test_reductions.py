@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -11,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
+from dtensor_ext import _compat
 from dtensor_ext._compat import NormPartial, Partial, op_strategy_rows, tensor_meta
 from dtensor_ext.rules import reductions
 from dtensor_ext.testing.checker import check_combination, check_rule, sample_tensor
@@ -115,9 +117,13 @@ def test_norm_partial_of_a_sharded_reduced_dim(mesh_shape, sample, keepdim, p):
         with CommDebugMode() as comms:
             out = aten.norm.ScalarOpt_dim(d, p, dims, keepdim)
         placements, full = out.placements, out.full_tensor()
+    torch.testing.assert_close(full, aten.norm.ScalarOpt_dim(x, p, dims, keepdim))
+    if shape[reduced[0]] < math.prod(mesh_shape) and not _compat.RULES_KEEP_EMPTY_SHARDS:
+        # torch 2.11's expansion drops every layout with a dim smaller than its number of shards: gathered first
+        assert comms.get_total_counts() > 0
+        return
     assert comms.get_total_counts() == 0
     assert placements == (NormPartial(2.0 if p is None else float(p)),) * len(mesh_shape)
-    torch.testing.assert_close(full, aten.norm.ScalarOpt_dim(x, p, dims, keepdim))
 
 
 ONE_D_PLACEMENTS = [Replicate(), Shard(0), Shard(1), Shard(2), *(Partial(r) for r in ("sum", "avg", "max", "min"))]

@@ -6,6 +6,9 @@ from dtensor_ext._compat import funcol
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.tools.comm_stats import CommStatsMode
 
+# the functional all-gather: all_gather_single where this torch has it (2.13+ deprecate all_gather_tensor)
+all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 
 def test_a_gather_costs_the_same_received_bytes_as_an_all_gather_or_an_all_to_all():
     """Gathering a (2, 8) float shard on 4 ranks: all_gather hands over the shard, an all-to-all that gathers hands
@@ -13,7 +16,7 @@ def test_a_gather_costs_the_same_received_bytes_as_an_all_gather_or_an_all_to_al
     shard = torch.ones(2, 8)
     with simulated_mesh((4,)) as mesh:
         with CommStatsMode() as gather:
-            funcol.wait_tensor(funcol.all_gather_single(shard, 0, (mesh, 0)))
+            funcol.wait_tensor(all_gather(shard, 0, (mesh, 0)))
         with CommStatsMode() as all_to_all:
             funcol.wait_tensor(funcol.all_to_all_single(shard.repeat(4, 1), [2] * 4, [2] * 4, (mesh, 0)))
         with CommStatsMode() as reduce:

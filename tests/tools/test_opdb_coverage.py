@@ -309,3 +309,132 @@ def test_communication_against_torch_alone_is_reported_per_op():
     assert {op for m in ("1d4", "2x2") for op in result["results"][m]["with"]["ops"]["correct"]} == {
         "aminmax", "nn.functional.pairwise_distance", "add"}
     assert "ops moving more than torch alone (runs correct both ways): 0" in format_report(result)
+
+
+def _both_ways(label: str, index: int, mesh_name: str, placements) -> dict[str, tuple]:
+    """(outcome, reason, (collectives, payload bytes)) of one OpInfo sample under one input sharding, torch alone
+    and with the package, exactly as the sweep runs it."""
+    from collections import Counter
+
+    from dtensor_ext.testing.mesh import rank_coordinates, simulated_mesh
+    from dtensor_ext.tools.opdb_coverage import MESHES, _cases, _run_sharded, _selected_opinfos, _set_package
+
+    (info,), _ = _selected_opinfos(Options(ops=[label]))
+    (case,) = [c for c in _cases(info, Options(max_samples=index + 1), Counter()) if c.index == index]
+    ran = {}
+    try:
+        for mode in ("without", "with"):
+            _set_package(mode)
+            with simulated_mesh(MESHES[mesh_name]) as mesh:
+                outcome, reason, _, moved = _run_sharded(case, placements, mesh, rank_coordinates(mesh),
+                                                         Options(check_fallback=False))
+            ran[mode] = (outcome, reason, moved)
+    finally:
+        dtensor_ext.install()
+    return ran
+
+
+R, P = Replicate(), Partial("sum")
+# Runs of the full sweep (4 samples, 4 input shardings) where the package moved more than torch alone before its
+# rules offered what torch's decomposition did: (OpInfo, sample, mesh, input placements)
+_ONCE_WORSE = [
+    ("addmv", 2, "2x2", [(Shard(0), Shard(0)), (R, Shard(0)), (Shard(0), Shard(0))]),  # broadcast bias [1]
+    ("addmv", 3, "2x2", [(P, R), (Shard(1), P), (R, R)]),
+    ("isin", 0, "1d4", [(P,), (Shard(0),)]),  # the test set split: Partial(max)
+    ("isin", 0, "2x2", [(Shard(0), R), (R, Shard(0))]),
+    ("nn.functional.pixel_shuffle", 0, "2x2", [(Shard(2), Shard(3))]),  # H and W sharded, chunks aligned
+    ("nn.functional.pixel_shuffle", 1, "2x2", [(Shard(0), Shard(3))]),
+    ("nn.functional.pixel_shuffle", 0, "1d4", [(Shard(1),)]),
+    ("nn.functional.pixel_unshuffle", 0, "1d4", [(Shard(2),)]),
+]
+
+
+@pytest.mark.parametrize("label, index, mesh_name, placements", _ONCE_WORSE,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in _ONCE_WORSE])
+def test_ops_once_worse_move_no_more_than_torch_alone(label, index, mesh_name, placements):
+    ran = _both_ways(label, index, mesh_name, placements)
+    assert ran["without"][0] == ran["with"][0] == "correct", ran
+    (c0, b0), (c1, b1) = ran["without"][2], ran["with"][2]
+    assert c1 <= c0 and b1 <= b0, ran
+
+
+def test_a_malformed_output_piece_is_wrong_even_where_full_tensor_looks_right():
+    """A rank holding a piece of another shape than its placements give it is WRONG, although full_tensor() (which
+    trims each piece to its expected length) matches. torch 2.13 alone's addmv with a bias of shape [1] and 5
+    matrix rows over 4 ranks does that (its kernel returns the bias's shape for an empty matrix; a sum then reads the
+    junk element); the package moves the matrix off the empty piece instead."""
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_ext._compat import LocalTensor
+    from dtensor_ext.testing.mesh import simulated_mesh
+    from dtensor_ext.tools.opdb_coverage import _compare
+
+    junk = {0: torch.ones(2), 1: torch.ones(2), 2: torch.ones(1), 3: torch.ones(1)}  # Shard(0) of 5 gives rank 3 none
+    with simulated_mesh((4,)) as mesh:
+        for pieces, verdict in [(junk, ("wrong", "output 0: rank 3 holds a piece of shape (1,), its placements give "
+                                                "(0,)")), ({**junk, 3: torch.ones(0)}, ("correct", None))]:
+            out = DTensor.from_local(LocalTensor(pieces), mesh, [Shard(0)], run_check=False, shape=(5,), stride=(1,))
+            assert _compare(out, torch.ones(5), mesh.mesh) == verdict
+    ran = _both_ways("addmv", 3, "1d4", [(R,), (Shard(0),), (R,)])
+    assert ran["with"][0] == "correct"
+    if ran["without"][0] != "correct":  # torch 2.13 (2.15 alone gets it right)
+        assert "rank 3 holds a piece of shape (1,), its placements give (0,)" in ran["without"][1]
+
+
+# Extra samples (EXTRA_SAMPLES) whose rows carry unequal total target weight, batch-split: torch alone declares the
+# mean loss Partial(avg) of the shards' means with no collective, which is right only for equal weights
+_UNEQUAL_WEIGHT = [
+    ("nn.functional.cross_entropy", 1000, "1d4", [(Shard(0),), (Shard(0),)]),  # an ignored target: a NaN shard
+    ("nn.functional.cross_entropy", 1000, "2x2", [(Shard(0), R), (Shard(0), R)]),  # 2 shards of unequal count
+    ("nn.functional.cross_entropy", 1001, "2x2", [(Shard(0), R), (Shard(0), R), (R, R)]),  # class weights
+    ("nn.functional.nll_loss", 1000, "2x2", [(Shard(0), R), (Shard(0), R)]),
+    ("nn.functional.linear_cross_entropy", 1000, "1d4", [(Shard(0),), (R,), (Shard(0),)]),
+]
+
+
+def _torch_alone_averages_shard_losses() -> bool:
+    """Whether torch alone gives a batch-sharded mean nll_loss Partial(avg) with no collective (2.13; 2.15 gathers
+    and is right): the defect these samples expose, probed on a tiny spec."""
+    dtensor_ext.uninstall()
+    try:
+        scores = _compat.probe_spec(torch.zeros(4, 3), (Shard(0),))
+        targets = _compat.probe_spec(torch.zeros(4, dtype=torch.long), (Shard(0),))
+        out = _compat.output_placements(torch.ops.aten.nll_loss_forward.default, (scores, targets, None, 1, -100))
+    finally:
+        dtensor_ext.install()
+    return out is not None and any(isinstance(p, Partial) for p in out)
+
+
+@pytest.mark.parametrize("label, index, mesh_name, placements", _UNEQUAL_WEIGHT,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in _UNEQUAL_WEIGHT])
+def test_torch_alone_is_wrong_where_shards_carry_unequal_target_weight(label, index, mesh_name, placements):
+    """The sweep's extra samples make torch alone's mean-loss defect visible (so these ops leave "torch alone
+    computes right"); the package's gather gives the right loss."""
+    ran = _both_ways(label, index, mesh_name, placements)
+    assert ran["with"][0] == "correct", ran
+    assert (ran["without"][0] == "wrong") == _torch_alone_averages_shard_losses(), ran
+
+
+def test_extra_samples_are_measured_beyond_the_sample_cap():
+    from collections import Counter
+
+    from dtensor_ext.tools.opdb_coverage import EXTRA_SAMPLE_INDEX, _cases, _selected_opinfos
+
+    (info,), _ = _selected_opinfos(Options(ops=["nn.functional.cross_entropy"]))
+    indices = [c.index for c in _cases(info, Options(max_samples=1), Counter())]
+    assert indices == [0, EXTRA_SAMPLE_INDEX, EXTRA_SAMPLE_INDEX + 1]
+
+
+def test_an_op_torch_alone_gets_wrong_is_not_listed_as_moving_more():
+    """cross_entropy's extra samples make torch alone WRONG on 2x2; the package's gather moves more over the runs
+    correct both ways, but that is not "more than torch alone computing right"."""
+    if not _torch_alone_averages_shard_losses():
+        pytest.skip("this torch gathers a batch-sharded mean loss (right): it has no such defect to exclude")
+    op = "nn.functional.cross_entropy"
+    result = measure(Options(ops=[op], max_samples=2, max_shardings=6, meshes=["2x2"], check_fallback=False))
+    assert op in result["results"]["2x2"]["without"]["ops"]["wrong"]
+    assert op in result["results"]["2x2"]["with"]["ops"]["correct"] + result["results"]["2x2"]["with"]["ops"]["error"]
+    comm = result["communication_vs_torch"]["2x2"]
+    (c0, c1), (b0, b1) = comm["differ"][op]["collectives"], comm["differ"][op]["bytes"]
+    assert c1 > c0 or b1 > b0, comm  # it moves more ...
+    assert op not in comm["more_than_torch"], comm  # ... and is not listed

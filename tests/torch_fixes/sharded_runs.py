@@ -66,7 +66,8 @@ def correct_runs_without_and_with_fixes(run, x: torch.Tensor, mesh_shape) -> tup
 
 
 def fix_status(op_name: str) -> str:
-    """'fixed' or 'not needed' for the torch fix of `op_name` ('aten::x.overload') in the default install."""
+    """'fixed', 'not needed' or 'needs newer torch' for the torch fix of `op_name` ('aten::x.overload') in the
+    default install."""
     dtensor_ext.install()
     statuses = {e.status for e in dtensor_ext.registry() if e.family == "torch fix" and e.op == op_name}
     assert len(statuses) == 1, f"{op_name}: expected one torch fix entry, got {statuses}"

@@ -6,6 +6,7 @@ change nothing.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -66,6 +67,8 @@ CASES = [
     ("norm_inf", lambda x: torch.linalg.vector_norm(x, INF), _real(9, 3), "linalg_vector_norm"),
     ("norm_minus_inf", lambda x: torch.linalg.vector_norm(x, -INF), _real(9, 3), "linalg_vector_norm"),
     ("norm_minus_one", lambda x: torch.linalg.vector_norm(x, -1), _real(9, 3), "linalg_vector_norm"),
+    # 2.11 shards norm.Scalar only through its decomposition fallback, which then runs the op's own kernel
+    ("norm_scalar_inf", lambda x: aten.norm.Scalar(x, INF), _real(9, 3), "norm.Scalar"),
 ]
 IDS = [case[0] for case in CASES]
 # the tensor dim each case shards: batch norm's and pooling's kernel-friendly choice is the channel dim
@@ -78,6 +81,18 @@ FIX = "layouts with empty shards the kernel rejects"
 
 def _op_name(name: str) -> str:
     return f"aten::{name}" if "." in name else f"aten::{name}.default"
+
+
+def _overload(name: str):
+    name, _, overload_name = name.partition(".")
+    return getattr(getattr(aten, name), overload_name or "default")
+
+
+def _torch_shards(name: str) -> bool:
+    """Whether DTensor finds a strategy for the op at all on this torch (2.11 has none for the FFTs and batch norm
+    without stats), asked with the kernel probe's call replicated."""
+    overload = _overload(name)
+    return _compat.propagates(overload, empty_shards.replicated_probe_args(empty_shards.kernels()[overload]))
 
 
 def _run(fn, x, mesh, placements):
@@ -102,15 +117,31 @@ def test_torch_fails_where_the_kernel_rejects_empty_input_and_the_fix_runs_it(fi
     where it does not (the 2.15 CPU FFT takes empty input), the fix is not applied and torch alone is right."""
     dim = SHARDED_DIM.get(name, 0)
     placements = [Shard(dim)] * len(mesh_shape)
-    name, _, overload_name = op.partition(".")
-    overload = getattr(getattr(torch.ops.aten, name), overload_name or "default")
-    # 2.11 has no strategy for the FFTs or batch norm without stats: they fail with or without the fix
-    if _compat.torch_strategy_kind(overload) not in _compat.DIRECT_STRATEGY_KINDS:
-        assert _op_name(op) not in fixed_ops[FIX]
+    overload = _overload(op)
+    kernel = empty_shards.kernels()[overload]
+    if _op_name(op) not in fixed_ops[FIX] and empty_shards.rejects_empty_input(overload, kernel):
+        # "not needed" for a kernel that rejects empty input: DTensor has no strategy for the op (2.11's FFTs and
+        # batch norm without stats), with or without the fix
+        assert not _torch_shards(op)
         with simulated_mesh(mesh_shape) as mesh, pytest.raises(NotImplementedError,
                                                                match="does not have a sharding strategy"):
             _run(fn, x, mesh, placements)
         return
+    if _compat.custom_op_handler(overload) is not None and _op_name(op) in fixed_ops[FIX]:
+        # argmax/argmin: the fix moves the input off the starving layout and hands it to torch's own handler, which
+        # then must run that layout; 2.11's cannot on uneven shards under simulated ranks (its flat index is a
+        # per-rank value it cannot guard on): there the fixed run fails as torch alone fails on that layout
+        dtensor_ext.install(fix_torch=False)
+        with simulated_mesh(mesh_shape) as mesh:
+            source = place_dtensor(x, mesh, placements)._spec
+            target = empty_shards._unstarved(source, tuple(range(x.ndim))).placements  # what the fix moves to
+            try:
+                _run(fn, x, mesh, list(target))
+            except AttributeError as torch_error:
+                dtensor_ext.install()
+                with pytest.raises(AttributeError, match=re.escape(str(torch_error))):
+                    _run(fn, x, mesh, placements)
+                return
     dtensor_ext.install(fix_torch=False)
     if _op_name(op) in fixed_ops[FIX]:
         kernel_errors = "MKL|at least one element|numel|norm on|non-zero size|no elements|positive l|3D or 4D|empty dim"
@@ -126,15 +157,20 @@ def test_torch_fails_where_the_kernel_rejects_empty_input_and_the_fix_runs_it(fi
 
 
 def test_registry_lists_as_fixed_exactly_the_kernels_the_feature_check_finds_rejecting():
+    """Fixed: the ops whose kernel rejects an empty input and that DTensor shards at all on this torch (by a
+    strategy of its own, ours, or its decomposition fallback); the others are "not needed"."""
     kernels = empty_shards.kernels()
-    rejecting = {_compat.torch_op_names(op)[0] for op in kernels if empty_shards.rejects_empty_input(kernels[op])}
+    rejecting = {_compat.torch_op_names(op)[0] for op in kernels if empty_shards.rejects_empty_input(op, kernels[op])}
+    dtensor_ext.install(fix_torch=False)
+    sharded = {_compat.torch_op_names(op)[0] for op in kernels
+               if _compat.propagates(op, empty_shards.replicated_probe_args(kernels[op]))}
     dtensor_ext.install()
     where = declared_fixes()[FIX].where
     statuses = {e.op: e.status for e in dtensor_ext.registry() if e.family == "torch fix" and e.where == where}
     assert statuses.keys() == {_compat.torch_op_names(op)[0] for op in kernels}
-    assert {op for op, status in statuses.items() if status == "fixed"} == rejecting
+    assert {op for op, status in statuses.items() if status == "fixed"} == rejecting & sharded
     with _compat.fake_mode_of([]):  # install() under a fake mode still asks the real kernels
-        assert {_compat.torch_op_names(op)[0] for op in kernels if empty_shards.rejects_empty_input(kernels[op])} \
+        assert {_compat.torch_op_names(op)[0] for op in kernels if empty_shards.rejects_empty_input(op, kernels[op])} \
             == rejecting
 
 
@@ -142,17 +178,22 @@ def test_registry_lists_as_fixed_exactly_the_kernels_the_feature_check_finds_rej
                          ids=["fft_c2c", "fft_r2c", "max", "norm_inf"])
 def test_partial_inputs(name, fn, x, op):
     """Partial(sum) on one mesh dim, an empty shard on the other (9 rows over 4)."""
+    if not _torch_shards(op):  # 2.11 has no strategy for the FFTs
+        with simulated_mesh((2, 4)) as mesh, pytest.raises(NotImplementedError, match="does not have a sharding"):
+            _run(fn, x, mesh, [Partial(), Shard(0)])
+        return
     with simulated_mesh((2, 4)) as mesh:
         out, _ = _run(fn, x, mesh, [Partial(), Shard(0)])
         _assert_matches(out, fn(x))
 
 
 def test_fast_propagation_also_avoids_the_empty_shard():
-    name, fn, x, op = CASES[0]
+    """Training batch norm (a single-dim rule on every torch: 2.11 and 2.12 shard it with ours), 9 channels over 4."""
+    name, fn, x, op = next(case for case in CASES if case[0] == "batch_norm_training")
     dtensor_ext.install(fast_propagation=True)
     try:
         with simulated_mesh((4,)) as mesh:
-            out, _ = _run(fn, x, mesh, [Shard(0)])
+            out, _ = _run(fn, x, mesh, [Shard(SHARDED_DIM[name])])
             _assert_matches(out, fn(x))
     finally:
         dtensor_ext.install(fast_propagation=False)
@@ -176,6 +217,10 @@ KEPT = [
 @pytest.mark.parametrize("name,fn,x,placements", KEPT, ids=[k[0] for k in KEPT])
 def test_layouts_torch_runs_stay(name, fn, x, placements, mesh_shape):
     placements = placements * len(mesh_shape)
+    if name.startswith("fft") and not _torch_shards("_fft_c2c"):  # 2.11 has no strategy for the FFTs
+        with simulated_mesh(mesh_shape) as mesh, pytest.raises(NotImplementedError, match="does not have a sharding"):
+            _run(fn, x, mesh, placements)
+        return
     results = {}
     for fix in (False, True):
         dtensor_ext.install(fix_torch=fix)
@@ -203,13 +248,22 @@ def test_batch_norm_eval_keeps_empty_channel_shards():
 
 
 def test_uninstall_puts_torch_registrations_back():
-    ops = [aten._fft_c2c.default, aten.native_batch_norm.default, aten.max.default, aten.linalg_vector_norm.default]
+    """The ops the fix steers that torch shards itself (not through a rule of ours) get torch's exact registrations
+    back: single-dim rules and op_strategy functions (2.13: the FFTs and batch norm are rules, max and the norms
+    op_strategies; 2.11 and 2.12 shard batch norm with ours, 2.11 the FFTs not at all)."""
+    kernels = {_compat.torch_op_names(op)[0]: op for op in empty_shards.kernels()}
+    dtensor_ext.install()
+    entries = dtensor_ext.registry()
+    ours = {e.op for e in entries if e.family != "torch fix" and e.status in ("added", "upgraded")}
+    fixed = {e.op for e in entries if e.family == "torch fix" and e.where == declared_fixes()[FIX].where
+             and e.status == "fixed"}
     dtensor_ext.install(fix_torch=False)
+    ops = [kernels[name] for name in sorted(fixed - ours)  # argmax/argmin: their handler is swapped instead
+           if _compat.torch_strategy_kind(kernels[name]) in ("single_dim", "op_strategy")
+           and _compat.custom_op_handler(kernels[name]) is None]
+    assert aten.max.default in ops and aten.linalg_vector_norm.default in ops  # op_strategies on every torch
     before = {op: _compat.snapshot_registration(op) for op in ops}
     torch_handler = _compat.custom_op_handler(aten.argmax.default)
-    # torch 2.13 shards the FFTs and batch norm with single-dim rules and max and the norms with op_strategy
-    # functions (2.14: single-dim rules too); the fix wraps either kind
-    assert {_compat.torch_strategy_kind(op) for op in ops} <= {"single_dim", "op_strategy"}
     dtensor_ext.install()
     assert all(_compat.snapshot_registration(op) != before[op] for op in ops)
     assert _compat.custom_op_handler(aten.argmax.default) is not torch_handler
@@ -229,14 +283,17 @@ def test_starves_a_rank_follows_torch_chunking():
 
 
 def test_tools_asking_with_every_candidate_layout_get_torch_rows():
-    """torch's strategy_validation queries an op_strategy with all candidate layouts of each input at once."""
+    """torch's strategy_validation queries an op_strategy with all candidate layouts of each input at once; training
+    batch norm is a single-dim rule the fix filters on every torch (2.11 and 2.12: ours)."""
     x = _real(3, 4, 2)
-    op = aten._native_batch_norm_legit.no_stats
+    op = aten.native_batch_norm.default
     candidates = [Replicate(), Shard(0), Shard(1), Partial()]
     with simulated_mesh((2,)) as mesh:
         meta = _compat.tensor_meta(x)
         source = OpStrategy([OpSpec(DTensorSpec(mesh, (p,), tensor_meta=meta)) for p in candidates])
-        offered = _compat.propagator().op_strategy_funcs[op](OpSchema(op, (source, None, None, True, 0.1, 1e-5), {}))
+        offered = _compat.propagator().op_strategy_funcs[op](
+            OpSchema(op, (source, None, None, None, None, True, 0.1, 1e-5), {})
+        )
     rows = {(spec.input_specs[0].placements, spec.output_specs[0].placements) for spec in offered.strategies}
     assert rows == {((Replicate(),), (Replicate(),)), ((Shard(1),), (Shard(1),))}
     assert all(len(spec.redistribute_cost[0]) == len(candidates) for spec in offered.strategies)
