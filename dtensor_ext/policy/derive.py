@@ -25,7 +25,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtensor_ext._compat import (clear_sharding_caches, fake_tensor_mode, outside_dispatch_modes,
-                                 outside_simulated_ranks, quiet_torch_log)
+                                 outside_simulated_ranks, quiet_torch_log, strided_offsets_on_plain_ints)
 from dtensor_ext.policy.graph_view import OpNode, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["Candidate", "CandidateCache", "NodeOptions", "enumerate_candidates", "is_inplace", "local_shape",
@@ -232,8 +232,11 @@ def prove_combinations(node: OpNode, mesh: DeviceMesh, combos: list[tuple], para
 def _fake_runs(operands):
     """Fake copies of the operands, outside the simulated ranks and any dispatch mode; DTensor's sharding caches
     are cleared afterwards: its cached strategies hold stateful placements (an embedding's _MaskPartial keeps the
-    mask it made), and the fake runs' fake masks would meet the real run of the same op."""
-    with outside_simulated_ranks(), outside_dispatch_modes(), _quiet_fake_kernels(), fake_tensor_mode() as fake:
+    mask it made), and the fake runs' fake masks would meet the real run of the same op. A strided shard's offsets
+    (two mesh dims sharding tensor dims that a view flattens together) are worked out on plain ints, as a real run
+    does: fake tensors cannot hold them."""
+    with (outside_simulated_ranks(), outside_dispatch_modes(), _quiet_fake_kernels(), strided_offsets_on_plain_ints(),
+          fake_tensor_mode() as fake):
         try:
             yield [fake.from_tensor(t) for t in operands]
         finally:
