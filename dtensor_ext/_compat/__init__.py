@@ -51,7 +51,8 @@ from dtensor_ext._compat.probes import (  # noqa: F401
 )
 from dtensor_ext._compat.dispatch import (  # noqa: F401
     custom_op_handler, dispatch_redistributor, load_linear_cross_entropy_ops, mask_buffer_type, own_rows,
-    propagate_and_redistribute, quiet_redistribute_warnings, quiet_torch_log, redistribution_steps,
+    propagate_and_redistribute, quiet_redistribute_warnings, quiet_torch_log, redistribution_plans_kept,
+    redistribution_steps,
     redistribution_transforms, respec_inplace, shard_to_shard_gathers, suggested_input_specs, redistribute_local_tensor_functions,
     set_custom_op_handler, set_dispatch_redistributor, set_redistribute_local_tensor, tp_convolution_kernels,
     tracing_for_compile, wrap_local_results,

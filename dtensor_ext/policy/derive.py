@@ -25,7 +25,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtensor_ext._compat import (clear_sharding_caches, fake_tensor_mode, outside_dispatch_modes,
-                                 outside_simulated_ranks, quiet_torch_log, strided_offsets_on_plain_ints)
+                                 outside_simulated_ranks, quiet_torch_log, redistribution_plans_kept,
+                                 strided_offsets_on_plain_ints)
 from dtensor_ext.policy.graph_view import OpNode, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["Candidate", "CandidateCache", "NodeOptions", "enumerate_candidates", "is_inplace", "local_shape",
@@ -234,9 +235,10 @@ def _fake_runs(operands):
     are cleared afterwards: its cached strategies hold stateful placements (an embedding's _MaskPartial keeps the
     mask it made), and the fake runs' fake masks would meet the real run of the same op. A strided shard's offsets
     (two mesh dims sharding tensor dims that a view flattens together) are worked out on plain ints, as a real run
-    does: fake tensors cannot hold them."""
+    does: fake tensors cannot hold them. DTensor's redistribution plans (which price every strategy it weighs) are
+    kept across runs, as a real run keeps them, not planned again for each op of each run."""
     with (outside_simulated_ranks(), outside_dispatch_modes(), _quiet_fake_kernels(), strided_offsets_on_plain_ints(),
-          fake_tensor_mode() as fake):
+          redistribution_plans_kept(), fake_tensor_mode() as fake):
         try:
             yield [fake.from_tensor(t) for t in operands]
         finally:

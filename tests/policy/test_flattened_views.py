@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from dtensor_ext.policy import build_plan, parallelize
-from dtensor_ext.policy.derive import Candidate, CandidateCache
+from dtensor_ext.policy.derive import Candidate, CandidateCache, prove_combinations
 from dtensor_ext.policy.graph_view import trace_graph
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_every_rank_matches
@@ -126,3 +126,31 @@ def test_eager_attention_on_2x2_runs_the_hand_plans_layout_and_equals_one_device
         out.square().sum().backward()
         for name, p in model.named_parameters():
             assert_every_rank_matches(p.grad.full_tensor(), dict(reference.named_parameters())[name].grad)
+
+
+def test_dtensors_redistribution_plans_are_made_once_across_proofs(monkeypatch):
+    """Under a fake tensor mode DTensor believes it is tracing and plans every strategy's input move again (a Dijkstra
+    search where a strided shard is involved): the proofs keep its plans, so proving the same combination again
+    plans nothing new, and the verdict is the same."""
+    from torch.distributed.tensor import _redistribute
+
+    from dtensor_ext._compat import dispatch
+
+    planned = []
+    original = _redistribute._gen_transform_infos_non_cached
+
+    def counted(*args, **kwargs):
+        planned.append(args[:2])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_redistribute, "_gen_transform_infos_non_cached", counted)
+    monkeypatch.setattr(dispatch, "_TRANSFORM_PLANS", {})
+    q = torch.randn(2, 4, 3, 8)
+    node = next(n for n in trace_graph(_QK(), (q, q)).nodes if n.signature == "torch.matmul")
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
+        first = prove_combinations(node, mesh, [(BATCH_HEADS, BATCH_HEADS)], frozenset(), frozenset({0, 1}))
+        made = len(planned)
+        again = prove_combinations(node, mesh, [(BATCH_HEADS, BATCH_HEADS)], frozenset(), frozenset({0, 1}))
+    assert made > 0 and len(planned) == made and len(set(planned)) == made
+    assert again == first and isinstance(first[0], Candidate)
+    assert _redistribute._gen_transform_infos_non_cached is counted  # restored after the proofs
