@@ -1,12 +1,16 @@
-"""Repeated layers (``model.layers.0``, ``model.layers.1``, ...) planned once: each op of a later layer takes the
-choice of the op at the same position in the first, so the integer program holds one layer, whatever the depth.
+"""Repeated layers (``model.layers.0``, ``model.layers.1``, ...) planned once: each op of a middle layer takes the
+choice of the op at the same position in the second layer, so the integer program holds three layers (the first,
+the second and the last), whatever the depth.
 
-A layer is matched to the first one position by position: the same op, in the same submodule, with the same
-candidates (the same shapes, placements and costs); a parameter is matched by its name inside the layer and its
-candidates. Only matched rows are tied, so a constraint that reaches one layer only (its candidates differ) leaves
-that op free. Tying is a constraint (every layer runs the first layer's plan, as torchtitan's plans do), never a
-guess: the tied model prices every layer's edges and memory, and each plan it returns is a plan of the full model.
-"""
+Layers are matched position by position: the same op, in the same submodule, on the same shapes, with the same
+candidates; a parameter by its name inside the layer and its shape and candidates. The layers of one module list
+that match form a kind (a model may mix dense and expert layers). The first and the last layer of a kind stay
+free: what comes before and after them (the embedding, the head) can make their best choices differ. Only matched
+rows are tied, so a constraint that reaches one layer only (its candidates differ) leaves that op free. Tying is a
+constraint (the middle layers run one plan, as torchtitan's plans do), never a guess: the tied model prices every
+layer's edges and memory, and each plan it returns is a plan of the full model, at a modelled cost that can exceed
+the untied optimum (``share_layers=False``) where layers would do best with different choices, e.g. under a memory
+budget that is cheapest met by sharding some layers more than others."""
 
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ def _layer_name(fqn: str) -> str:
 
 
 def repeated_rows(graph: GraphView, options: list[list[tuple]], source_rows: dict[int, int]) -> dict[int, int]:
-    """Option row -> the row whose choice it takes (its match in the first layer of its kind)."""
+    """Option row -> the row whose choice it takes (its match in the second layer of its kind)."""
     # (module list, number) -> (what the row is inside the layer: submodule, op and shapes, or parameter name and
     # shape; its row), in order
     layers: dict[tuple[str, int], list[tuple[tuple, int]]] = {}
@@ -43,17 +47,17 @@ def repeated_rows(graph: GraphView, options: list[list[tuple]], source_rows: dic
         found = _layer_of(graph.params.get(tid, ""))
         if found is not None:
             layers.setdefault(found[0], []).append(((found[1], tuple(graph.tensors[tid].shape)), row))
-    same_as: dict[int, int] = {}
-    # the first layer of each kind: the same module list and the same ops on the same shapes in order (a model may
-    # mix dense and expert layers; each later layer follows the first of its kind)
-    firsts: dict[tuple, list[tuple[tuple, int]]] = {}
+    kinds: dict[tuple, list[list[tuple[tuple, int]]]] = {}
     for (name, _), rows in sorted(layers.items()):
-        first = firsts.setdefault((name, tuple(key for key, _ in rows)), rows)
-        for (_, row), (_, leader) in zip(rows, first):
-            if row == leader:
-                break
-            if options[row] == options[leader]:
-                same_as[row] = leader
+        kinds.setdefault((name, tuple(key for key, _ in rows)), []).append(rows)
+    same_as: dict[int, int] = {}
+    for members in kinds.values():
+        # the first and last layer of a kind stay free (the embedding before them and the head after them can make
+        # their best choices differ); the layers between follow the second
+        for rows in members[2:-1]:
+            for (_, row), (_, leader) in zip(rows, members[1]):
+                if options[row] == options[leader]:
+                    same_as[row] = leader
     return same_as
 
 
