@@ -20,6 +20,7 @@ import math
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +36,7 @@ from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
+from dtensor_ext.policy.repeats import repeated_rows, shared_layers
 from dtensor_ext.policy.solve import Problem, solve
 from dtensor_ext.redistribute.cost import IdealCostModel
 
@@ -100,6 +102,8 @@ class Plan:
     hooks: list[tuple[str, Callable | None, Callable | None]]
     cost_s: float = 0.0
     planning_s: float = 0.0
+    # repeated layer -> the layer whose choices it runs (share_layers; ops whose candidates differ keep their own)
+    shared_layers: dict[str, str] = field(default_factory=dict)
     deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
     # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
     styles: dict | None = None
@@ -110,6 +114,7 @@ class Plan:
         from dtensor_ext.policy.styles import held_placements
 
         moves = _moves(self)
+        followers = Counter(self.shared_layers.values())
         full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(held_placements(self, tid))]
         returned = {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
                                       (Replicate(),) * self.mesh.ndim) for tid in full}
@@ -117,7 +122,8 @@ class Plan:
         steps += [step for taken in returned.values() for step in taken]
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
-                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s",
+                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s"
+                 f"{''.join(f'; {n} repeated layers run the choices of {leader}' for leader, n in followers.items())}",
                  f"  forward redistributions: {len(steps)} collectives, "
                  f"{sum(max(s.recv_bytes) for s in steps):,} B received per rank (the busiest)"]
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
@@ -260,6 +266,7 @@ def build_plan(
     cfg: object = None,
     cost_model=None,
     memory_budget: int | None = None,
+    share_layers: bool = True,
     warn_unused: bool = False,
 ) -> Plan:
     """Trace ``model(*example_inputs)``, filter DTensor's candidates by YAML constraints (a path, YAML text or
@@ -268,7 +275,8 @@ def build_plan(
     unless ``warn_unused``. ``cost_model``: the redistribution cost model (the package's IdealCostModel by
     default; a CalibratedCostModel from an autotune file). ``memory_budget``: bytes a rank may hold in parameters,
     their gradients and Adam's two moments (4 copies of its parameter shards) and in the activations autograd
-    saves for backward."""
+    saves for backward. ``share_layers``: each repeated layer (``model.layers.N``) runs the first layer's choices,
+    so the solve holds one layer whatever the depth (False: every layer is solved on its own)."""
     if constraints is not None and policy is not None:
         raise PolicyError("build_plan", "constraints/policy", "both",
                           "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
@@ -291,13 +299,17 @@ def build_plan(
     regions, stages = recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids)
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
         raise PolicyError("build_plan", "memory_budget", memory_budget, "a positive number of bytes per rank")
-    ops, params, cost = _derive(graph, mesh, requirements, cost_model or IdealCostModel(), memory_budget)
+    if not isinstance(share_layers, bool):
+        raise PolicyError("build_plan", "share_layers", share_layers, "True or False")
+    ops, params, cost, shared = _derive(graph, mesh, requirements, cost_model or IdealCostModel(), memory_budget,
+                                        share_layers)
     if all(_replicated(p) for p in params.values()) and all(
             _replicated(p) for op in ops for p in (*op.inputs, *op.outputs)):
         raise PolicyError("build_plan", "<plan>", "every op and parameter replicated",
                           "a plan that partitions something: the constraints and the cost model keep the whole "
                           "model replicated (nothing to parallelize)")
-    return Plan(mesh, graph, ops, params, regions, stages, hooks, cost, time.perf_counter() - start)
+    return Plan(mesh, graph, ops, params, regions, stages, hooks, cost, time.perf_counter() - start,
+                shared_layers=shared)
 
 
 def _trace_outside_simulation(model, example_inputs) -> GraphView:
@@ -431,7 +443,7 @@ STATE_COPIES = 4
 
 
 def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model,
-            memory_budget: int | None = None):
+            memory_budget: int | None = None, share_layers: bool = True):
     """Each op's candidates on the whole mesh (combinations of its per-dim candidates, filtered by the
     constraints), one exact solve over all of them (every mesh dim at once), then the per-op placements.
 
@@ -462,7 +474,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
     with outside_simulated_ranks(), quiet_redistribute_warnings():
         while True:
             problem, source_rows = _problem(graph, mesh, candidates, [w for _, w, _ in found], sources, producers,
-                                            model, moves, memory_budget)
+                                            model, moves, memory_budget, share_layers)
             picks, cost = solve(problem, "build_plan")
             pending = [node for node in graph.nodes if not candidates[node.index][picks[node.index]].proven]
             changed = False
@@ -502,14 +514,16 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                 op.moves.append(f"input {slot} ({what}, {list(graph.tensors[tid].shape)}): "
                                 f"{_fmt(here)} -> {_fmt(op.inputs[slot])}")
         ops.append(op)
-    return ops, params, cost
+    return ops, params, cost, shared_layers(graph, problem.same_as)
 
 
 def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate]], work: list[NodeOptions],
-             sources: list[int], producers: dict, model, moves: dict, memory_budget: int | None):
+             sources: list[int], producers: dict, model, moves: dict, memory_budget: int | None,
+             share_layers: bool):
     """The HiGHS model: a row of options per op (its candidates), per source (a parameter's placements; inputs
     replicated) and for the outputs (replicated); the dataflow edges with their N-D move prices; a gradient
-    reduction per value and mesh dim; the memory budget over what each choice holds."""
+    reduction per value and mesh dim; the memory budget over what each choice holds; repeated layers tied to the
+    first of their kind (``share_layers``)."""
     options, held = [], {}
     for node in graph.nodes:
         kept = candidates[node.index]
@@ -547,7 +561,8 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
     reductions = [(_reduction_s(graph.tensors[tid], model, m), found, m) for tid, found in readers.items()
                   if graph.tensors[tid].is_floating_point() for m in range(mesh.ndim)]
     memory = (memory_budget, held) if memory_budget is not None else None
-    return Problem(options, edges, names, reductions, memory, copies), source_rows
+    same_as = repeated_rows(graph, options, source_rows) if share_layers else {}
+    return Problem(options, edges, names, reductions, memory, copies, same_as), source_rows
 
 
 def _no_combination(node: OpNode, requirement: Requirement | None, mesh: DeviceMesh, refused: Candidate,
@@ -706,6 +721,7 @@ def parallelize(
     cfg: object = None,
     cost_model=None,
     memory_budget: int | None = None,
+    share_layers: bool = True,
     warn_unused: bool = False,
     plan: Plan | None = None,
     styles: bool = True,
@@ -719,7 +735,8 @@ def parallelize(
 
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
-                          cost_model=cost_model, memory_budget=memory_budget, warn_unused=warn_unused)
+                          cost_model=cost_model, memory_budget=memory_budget, share_layers=share_layers,
+                          warn_unused=warn_unused)
     plan.styles = proven_styles(plan) if styles else {}
     apply_styles(model, plan, plan.styles)
     PlanExecutor(plan).install(model)
