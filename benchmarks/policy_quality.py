@@ -18,9 +18,11 @@ Reported per plan: collectives and bytes each rank sends per step (CommStatsMode
 parameters and in tensors saved for backward (its shard sizes, through saved_tensors_hooks, parameters and views of
 them aside since a rank holds those anyway: the simulated ranks share one process, so this stands in for peak
 memory), the largest error of the loss and of any gradient against one device, and the planning time (build_plan,
-once; the candidates cache is cleared before each plan).
+once; the candidates cache is cleared before each plan). --layers sets the depth (2 by default); repeated layers
+are solved once unless --each-layer.
 
     PYTHONPATH=. python benchmarks/policy_quality.py [--models llama qwen2 mixtral gemma2] [--meshes 4 2x2]
+        [--layers 8] [--each-layer]
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ def _values(t):
     return list((local_tensor_values(t) or {0: t}).values())
 
 
-def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float | int | None = None) -> dict:
+def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float | int | None = None,
+            share_layers: bool = True) -> dict:
     """One plan measured. `budget`: bytes per rank (an int), a fraction of the replicated parameter state (a
     float), or None."""
     reference, model = tiny(name), tiny(name)
@@ -162,7 +165,7 @@ def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float 
                 state = STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
                 cap = int(budget * state) if isinstance(budget, float) else budget
                 plan = build_plan(model, mesh, (ids,), constraints=YAML if variant == "yaml" else None,
-                                  memory_budget=cap)
+                                  memory_budget=cap, share_layers=share_layers)
             except PolicyError as exc:
                 return {**row, "refused": str(exc)[:200]}
             parallelize(model, mesh, (ids,), plan=plan)
@@ -182,7 +185,11 @@ def main() -> None:
     parser.add_argument("--plans", nargs="+", default=["hand", "search", "yaml"])
     parser.add_argument("--budget", default="hand", help="'hand' (what (c) measured), 'none', or a fraction of the "
                                                          "replicated parameter state")
+    parser.add_argument("--layers", type=int, default=SIZES["num_hidden_layers"], help="decoder layers")
+    parser.add_argument("--each-layer", action="store_true", help="solve every layer on its own "
+                                                                  "(share_layers=False)")
     args = parser.parse_args()
+    SIZES["num_hidden_layers"] = args.layers
     print(f"{'model':8} {'mesh':4} {'plan':6} {'plan s':>7} {'bytes/rank':>10} {'params B':>9} {'saved B':>9} "
           f"{'max err':>8}  collectives")
     for name in args.models:
@@ -194,7 +201,8 @@ def main() -> None:
                 budget = STATE_COPIES * hand["params"] + hand["saved"]
                 print(f"{name:8} {mesh:4} budget {budget} B per rank (what the hand plan holds)", flush=True)
             for variant in args.plans:
-                r = hand if variant == "hand" and args.budget == "hand" else measure(name, shape, variant, budget)
+                r = hand if variant == "hand" and args.budget == "hand" else measure(
+                    name, shape, variant, budget, share_layers=not args.each_layer)
                 if "refused" in r:
                     print(f"{name:8} {mesh:4} {variant:6} refused: {r['refused']}", flush=True)
                     continue

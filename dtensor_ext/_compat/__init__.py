@@ -51,7 +51,8 @@ from dtensor_ext._compat.probes import (  # noqa: F401
 )
 from dtensor_ext._compat.dispatch import (  # noqa: F401
     custom_op_handler, dispatch_redistributor, load_linear_cross_entropy_ops, mask_buffer_type, own_rows,
-    propagate_and_redistribute, quiet_redistribute_warnings, quiet_torch_log, redistribution_steps,
+    propagate_and_redistribute, quiet_redistribute_warnings, quiet_torch_log, redistribution_plans_kept,
+    redistribution_steps,
     redistribution_transforms, respec_inplace, shard_to_shard_gathers, suggested_input_specs, redistribute_local_tensor_functions,
     set_custom_op_handler, set_dispatch_redistributor, set_redistribute_local_tensor, tp_convolution_kernels,
     tracing_for_compile, wrap_local_results,
@@ -62,6 +63,6 @@ from dtensor_ext._compat.collectives import (  # noqa: F401
 from dtensor_ext._compat.compile import (  # noqa: F401
     aot_eager_with_joint_pass, custom_op_autotuning_api, dynamo_backend, fake_mode_of, fake_tensor_mode,
     inductor_cache_dir, inductor_custom_pass_api, inductor_joint_pass_slot, override_meta_kernel,
-    process_groups_by_name, route_group_names, set_collective_choice_benchmark, size_hint, swap_dynamo_backend,
-    wrap_inductor_entry,
+    process_groups_by_name, route_group_names, set_collective_choice_benchmark, size_hint,
+    strided_offsets_on_plain_ints, swap_dynamo_backend, wrap_inductor_entry,
 )

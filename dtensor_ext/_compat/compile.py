@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,31 @@ def fake_tensor_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def strided_offsets_on_plain_ints() -> Iterator[None]:
+    """Inside the block, DTensor works out a strided shard's local size and offsets (``_StridedShard``: an
+    ``arange`` of the dim split into chunks, then ``tolist``) outside any dispatch mode whenever its sizes and rank
+    are plain ints, as a real run does. Under a fake tensor mode the ``arange`` would be a fake tensor whose values
+    cannot be read (``aten._local_scalar_dense``), so DTensor failed on fake DTensors exactly where two mesh dims
+    shard tensor dims that a view flattens together. Restored on exit."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = _StridedShard.__dict__["local_shard_size_and_offset"]
+
+    def on_plain_ints(self, curr_local_size, num_chunks, rank, *args, **kwargs):
+        if all(type(v) is int for v in (curr_local_size, num_chunks, rank)):
+            with _disable_current_modes():
+                return original(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+        return original(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+
+    _StridedShard.local_shard_size_and_offset = on_plain_ints
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = original
 
 
 def inductor_custom_pass_api():

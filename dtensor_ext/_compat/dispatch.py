@@ -13,6 +13,35 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema
 
 
+# (source spec, target spec, graph-based or not) -> DTensor's redistribution steps, kept for the process as
+# DTensor's own `_gen_transform_infos` keeps them
+_TRANSFORM_PLANS: dict[tuple, list] = {}
+
+
+@contextlib.contextmanager
+def redistribution_plans_kept():
+    """Inside the block DTensor's redistribution planner (``_gen_transform_infos_non_cached``, a function of the
+    source and target specs alone) plans each pair once per process. DTensor keeps its plans itself except while it
+    believes it is tracing, which a fake tensor mode makes it believe: there it planned every candidate strategy's
+    input move again, for each op of each fake run, and with a strided shard involved each plan is a Dijkstra
+    search (0.7 s per proof of Gemma2's attention on 2x2). Restored on exit."""
+    from torch.distributed.tensor import _redistribute
+
+    original = _redistribute.__dict__["_gen_transform_infos_non_cached"]
+
+    def kept(src_spec, dst_spec, use_graph_based_transform=None):
+        key = (src_spec, dst_spec, use_graph_based_transform)
+        if key not in _TRANSFORM_PLANS:
+            _TRANSFORM_PLANS[key] = original(src_spec, dst_spec, use_graph_based_transform)
+        return _TRANSFORM_PLANS[key]
+
+    _redistribute._gen_transform_infos_non_cached = kept
+    try:
+        yield
+    finally:
+        _redistribute._gen_transform_infos_non_cached = original
+
+
 def custom_op_handler(op: OpOverload):
     """The function DTensor's dispatcher runs for `op` in place of its generic path (propagate, redistribute,
     run locally), or None; such a handler must apply any redistribution itself."""

@@ -16,23 +16,27 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from dtensor_ext._compat import current_local_tensor_mode
+from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
 from dtensor_ext.policy.constraints import Constraint, load_constraints
-from dtensor_ext.policy.derive import Candidate, CandidateCache, NodeOptions, is_inplace, operand_tensors
+from dtensor_ext.policy.derive import (Candidate, CandidateCache, NodeOptions, is_inplace, local_shape,
+                                      operand_tensors, splits)
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
+from dtensor_ext.policy.repeats import repeated_rows, shared_layers
 from dtensor_ext.policy.solve import Problem, solve
 from dtensor_ext.redistribute.cost import IdealCostModel
 
@@ -68,9 +72,10 @@ class Requirement:
     field: str = "allowed_partition_dims"
 
     def admits(self, c: Candidate) -> bool:
+        """`c`: one mesh dim's candidate."""
         if self.replica_allowed and c.replicated:
             return True
-        return any(c.inputs[slot] == Shard(dim) for slot, dim in self.allowed)
+        return any(c.inputs[slot] == (Shard(dim),) for slot, dim in self.allowed)
 
 
 @dataclass
@@ -97,6 +102,8 @@ class Plan:
     hooks: list[tuple[str, Callable | None, Callable | None]]
     cost_s: float = 0.0
     planning_s: float = 0.0
+    # repeated layer -> the layer whose choices it runs (share_layers; ops whose candidates differ keep their own)
+    shared_layers: dict[str, str] = field(default_factory=dict)
     deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
     # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
     styles: dict | None = None
@@ -107,6 +114,7 @@ class Plan:
         from dtensor_ext.policy.styles import held_placements
 
         moves = _moves(self)
+        followers = Counter(self.shared_layers.values())
         full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(held_placements(self, tid))]
         returned = {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
                                       (Replicate(),) * self.mesh.ndim) for tid in full}
@@ -114,7 +122,8 @@ class Plan:
         steps += [step for taken in returned.values() for step in taken]
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
-                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s",
+                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s"
+                 f"{''.join(f'; {n} repeated layers run the choices of {leader}' for leader, n in followers.items())}",
                  f"  forward redistributions: {len(steps)} collectives, "
                  f"{sum(max(s.recv_bytes) for s in steps):,} B received per rank (the busiest)"]
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
@@ -202,9 +211,10 @@ def _moves(plan: Plan) -> dict[int, list[tuple]]:
     return found
 
 
-def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple) -> list:
+def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple, model=None) -> list:
     """The collectives DTensor runs to move ``value`` from ``src`` to ``dst``, each with the bytes every rank
-    receives (the package's reading of torch's redistribution plan, ``redistribute.dtensor_plan``)."""
+    receives and its time under ``model`` (bound to the mesh; the ideal model by default): the package's reading
+    of torch's redistribution plan, ``redistribute.dtensor_plan``."""
     from dtensor_ext import _compat
     from dtensor_ext.redistribute.dtensor_plan import dtensor_steps
     from dtensor_ext.redistribute.steps import StepBuilder
@@ -212,7 +222,8 @@ def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple) 
     meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
     transforms = _compat.redistribution_transforms(_compat.DTensorSpec(mesh, src, tensor_meta=meta),
                                                    _compat.DTensorSpec(mesh, dst, tensor_meta=meta))
-    builder = StepBuilder(tuple(value.shape), tuple(mesh.shape), value.dtype, IdealCostModel().bind(mesh.shape))
+    builder = StepBuilder(tuple(value.shape), tuple(mesh.shape), value.dtype,
+                          model or IdealCostModel().bind(mesh.shape))
     steps = dtensor_steps(builder, src, transforms, _compat.shard_to_shard_gathers(mesh))
     return [step for step in steps if step.kind != "local"]
 
@@ -236,7 +247,7 @@ def _fmt(placements: tuple) -> str:
 def _short(p) -> str:
     if p.is_replicate():
         return "R"
-    if p.is_shard():
+    if splits(p):  # a Shard, or DTensor's strided shard of that dim
         return f"S({p.dim})"
     return "P"
 
@@ -255,6 +266,7 @@ def build_plan(
     cfg: object = None,
     cost_model=None,
     memory_budget: int | None = None,
+    share_layers: bool = True,
     warn_unused: bool = False,
 ) -> Plan:
     """Trace ``model(*example_inputs)``, filter DTensor's candidates by YAML constraints (a path, YAML text or
@@ -263,7 +275,8 @@ def build_plan(
     unless ``warn_unused``. ``cost_model``: the redistribution cost model (the package's IdealCostModel by
     default; a CalibratedCostModel from an autotune file). ``memory_budget``: bytes a rank may hold in parameters,
     their gradients and Adam's two moments (4 copies of its parameter shards) and in the activations autograd
-    saves for backward."""
+    saves for backward. ``share_layers``: each repeated layer (``model.layers.N``) runs the first layer's choices,
+    so the solve holds one layer whatever the depth (False: every layer is solved on its own)."""
     if constraints is not None and policy is not None:
         raise PolicyError("build_plan", "constraints/policy", "both",
                           "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
@@ -286,13 +299,17 @@ def build_plan(
     regions, stages = recompute_regions(graph, recompute_ids), stage_boundaries(graph, stage_ids)
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
         raise PolicyError("build_plan", "memory_budget", memory_budget, "a positive number of bytes per rank")
-    ops, params, cost = _derive(graph, mesh, requirements, cost_model or IdealCostModel(), memory_budget)
+    if not isinstance(share_layers, bool):
+        raise PolicyError("build_plan", "share_layers", share_layers, "True or False")
+    ops, params, cost, shared = _derive(graph, mesh, requirements, cost_model or IdealCostModel(), memory_budget,
+                                        share_layers)
     if all(_replicated(p) for p in params.values()) and all(
             _replicated(p) for op in ops for p in (*op.inputs, *op.outputs)):
         raise PolicyError("build_plan", "<plan>", "every op and parameter replicated",
                           "a plan that partitions something: the constraints and the cost model keep the whole "
                           "model replicated (nothing to parallelize)")
-    return Plan(mesh, graph, ops, params, regions, stages, hooks, cost, time.perf_counter() - start)
+    return Plan(mesh, graph, ops, params, regions, stages, hooks, cost, time.perf_counter() - start,
+                shared_layers=shared)
 
 
 def _trace_outside_simulation(model, example_inputs) -> GraphView:
@@ -420,157 +437,170 @@ def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callab
 
 # --- the derivation ---------------------------------------------------------------------------------------------
 
-_LOCAL = "local"
-
-
 TIE_S_PER_BYTE = 1e-18
-# re-solves of every mesh dim with the others' choices fixed, at most, while a memory budget couples them
-MEMORY_ROUNDS = 3
 # parameters, gradients and Adam's two moments: the bytes a rank holds per parameter byte
 STATE_COPIES = 4
 
 
-@dataclass
-class _DimProblem:
-    """One mesh dim's choice as HiGHS sees it, and what the memory rows need: the rows of the sources
-    (parameters, inputs) and, per op, its one-device saved bytes and each candidate's."""
-
-    problem: Problem
-    source_rows: dict[int, int]
-    saved: dict[int, tuple[int, list[int]]]
-
-
 def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model,
-            memory_budget: int | None = None):
-    """Per mesh dim: candidates, constraints, one exact solve; then the per-op placements over all dims.
+            memory_budget: int | None = None, share_layers: bool = True):
+    """Each op's candidates on the whole mesh (combinations of its per-dim candidates, filtered by the
+    constraints), one exact solve over all of them (every mesh dim at once), then the per-op placements.
 
-    Dims are independent problems except for a memory budget, which covers what a rank holds after every dim's
-    choice: each dim is solved with the unsolved dims counted as dividing by their size, then (on an N-D mesh)
-    each is solved again with the others' choices as made, until no choice changes (every re-solve keeps the
-    current choice feasible, so the modelled cost only falls)."""
+    A combination not yet proven enters the solve as its parts predict it; each one the solve picks is then
+    proven by a fake run on the whole mesh, replaced by what DTensor did (or dropped where DTensor refuses it),
+    and the model solved again, until every pick is proven: the plan uses proven combinations only. Where every
+    proof is what its parts predicted, the model is unchanged and its optimum stands: no new solve."""
     cache = CandidateCache(mesh)
-    model = cost_model.bind(tuple(mesh.shape))
     producers: dict[int, tuple[int, int]] = {}
     for node in graph.nodes:
         for o, tid in enumerate(node.output_ids):
             producers[tid] = (node.index, o)
     sources = sorted({tid for node in graph.nodes for tid in node.operand_ids if tid not in producers})
-    local: set[int] = set()
     differentiated = _differentiated(graph)
-    dims = [_dim_problem(graph, mesh, m, cache, requirements, differentiated, producers, sources, model, local)
-            for m in range(mesh.ndim)]
-    picks, costs = _solve_dims(graph, mesh, dims, memory_budget)
-    params = {graph.params[tid]: tuple(d.problem.options[d.source_rows[tid]][p[d.source_rows[tid]]][1][0]
-                                       for d, p in zip(dims, picks))
+    found = [_node_candidates(node, mesh, cache, requirements.get(node.index), graph, differentiated)
+             for node in graph.nodes]
+    candidates = [kept for kept, _, _ in found]
+    local = {node.index for node in graph.nodes if not candidates[node.index]}
+    for v in local:
+        if is_inplace(graph.nodes[v]):
+            raise PolicyError(str(graph.nodes[v]), "op", graph.nodes[v].signature,
+                              "an in-place op DTensor can run (it has no sharding rule for these inputs, and "
+                              "writing into a gathered copy would leave the original unchanged)")
+        candidates[v] = [_replicated_candidate(graph.nodes[v], found[v][1].saved, mesh.ndim)]
+    model, moves = cost_model.bind(tuple(mesh.shape)), {}
+    # pricing runs torch's redistribution planner on plain tensors; its warnings about the moves it finds
+    # suboptimal are about moves merely priced here
+    with outside_simulated_ranks(), quiet_redistribute_warnings():
+        while True:
+            problem, source_rows = _problem(graph, mesh, candidates, [w for _, w, _ in found], sources, producers,
+                                            model, moves, memory_budget, share_layers)
+            picks, cost = solve(problem, "build_plan")
+            pending = [node for node in graph.nodes if not candidates[node.index][picks[node.index]].proven]
+            changed = False
+            for node in pending:
+                v, k = node.index, picks[node.index]
+                proof = cache.prove(node, candidates[v][k], *found[v][2])
+                if isinstance(proof, Candidate):
+                    # a proof that is its prediction leaves the model as it was: the picks stay optimal
+                    changed |= proof != replace(candidates[v][k], proven=True)
+                    candidates[v][k] = proof
+                    continue
+                changed = True
+                refused = candidates[v].pop(k)
+                # the op's parts do not predict it on the whole mesh: prove all its combinations now, rather than
+                # one refusal per solve
+                proofs = [c if c.proven else cache.prove(node, c, *found[v][2]) for c in candidates[v]]
+                candidates[v] = [c for c in proofs if isinstance(c, Candidate)]
+                if not candidates[v]:  # DTensor refuses every combination: the op runs replicated, if it may
+                    requirement = requirements.get(v)
+                    if is_inplace(node) or requirement is not None and not requirement.replica_allowed:
+                        raise _no_combination(node, requirement, mesh, refused, proof)
+                    local.add(v)
+                    candidates[v] = [_replicated_candidate(node, found[v][1].saved, mesh.ndim)]
+            if not changed:
+                break
+    params = {graph.params[tid]: problem.options[source_rows[tid]][picks[source_rows[tid]]][1][0]
               for tid in sources if tid in graph.params}
-    chosen = {node.index: [d.problem.options[node.index][p[node.index]] for d, p in zip(dims, picks)]
-              for node in graph.nodes}
     ops = []
     for node in graph.nodes:
-        inputs = tuple(tuple(c[0][k] for c in chosen[node.index]) for k in range(len(node.operand_ids)))
-        outputs = tuple(tuple(c[1][k] for c in chosen[node.index]) for k in range(len(node.output_ids)))
-        op = OpChoice(node, inputs, outputs, node.index in local)
+        chosen = candidates[node.index][picks[node.index]]
+        op = OpChoice(node, chosen.inputs, chosen.outputs, node.index in local)
         for slot, tid in enumerate(node.operand_ids):
-            held = (tuple(c[1][producers[tid][1]] for c in chosen[producers[tid][0]]) if tid in producers
-                    else params.get(graph.params.get(tid), (Replicate(),) * mesh.ndim))
-            if held != op.inputs[slot]:
-                what = f"%{producers[tid][0]}" if tid in producers else graph.params.get(tid, "input")
+            u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
+            here = problem.options[u][picks[u]][1][o]
+            if here != op.inputs[slot]:
+                what = f"%{u}" if tid in producers else graph.params.get(tid, "input")
                 op.moves.append(f"input {slot} ({what}, {list(graph.tensors[tid].shape)}): "
-                                f"{_fmt(held)} -> {_fmt(op.inputs[slot])}")
+                                f"{_fmt(here)} -> {_fmt(op.inputs[slot])}")
         ops.append(op)
-    return ops, params, sum(costs)
+    return ops, params, cost, shared_layers(graph, problem.same_as)
 
 
-def _solve_dims(graph: GraphView, mesh: DeviceMesh, dims: list[_DimProblem], memory_budget: int | None):
-    """Each dim's pick; under a memory budget on an N-D mesh, from every order of first solves (a dim solved
-    early counts the later ones as dividing by their size, which the later ones may not manage cheaply), each
-    followed by re-solves with the other dims fixed; the cheapest plan that fits wins."""
-    if memory_budget is None:
-        return zip(*(solve(d.problem, f"mesh dim {m}") for m, d in enumerate(dims)))
-    best, refusal = None, None
-    for order in itertools.permutations(range(mesh.ndim)):
-        picks: list = [None] * mesh.ndim
-        costs = [0.0] * mesh.ndim
-
-        def solve_dim(m: int) -> bool:
-            dims[m].problem.memory = (memory_budget, _held(graph, mesh, m, dims, picks))
-            found, costs[m] = solve(dims[m].problem, f"mesh dim {m}")
-            changed, picks[m] = found != picks[m], found
-            return changed
-
-        try:
-            for m in order:
-                solve_dim(m)
-            for _ in range(MEMORY_ROUNDS if mesh.ndim > 1 else 0):
-                if not any([solve_dim(m) for m in order]):
-                    break
-        except PolicyError as exc:  # no plan fits after this order's first choices
-            refusal = exc
-            continue
-        if best is None or sum(costs) < sum(best[1]):
-            best = (list(picks), list(costs))
-    if best is None:
-        raise refusal
-    return best
-
-
-def _dim_problem(graph: GraphView, mesh: DeviceMesh, m: int, cache: CandidateCache,
-                 requirements: dict[int, Requirement], differentiated: set[int], producers: dict, sources: list,
-                 model, local: set[int]) -> _DimProblem:
-    """Mesh dim m's candidates (filtered by the constraints), sources, dataflow edges and gradient reductions."""
-    options, saved = [], {}
+def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate]], work: list[NodeOptions],
+             sources: list[int], producers: dict, model, moves: dict, memory_budget: int | None,
+             share_layers: bool):
+    """The HiGHS model: a row of options per op (its candidates), per source (a parameter's placements; inputs
+    replicated) and for the outputs (replicated); the dataflow edges with their N-D move prices; a gradient
+    reduction per value and mesh dim; the memory budget over what each choice holds; repeated layers tied to the
+    first of their kind (``share_layers``)."""
+    options, held = [], {}
     for node in graph.nodes:
-        param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
-        grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
-        found = cache.options(node, m, param_slots, grad_slots)
-        requirement = requirements.get(node.index)
-        if requirement is not None and m in requirement.mesh_dims:
-            kept = [c for c in found.candidates if requirement.admits(c)]
-            if not kept and not (requirement.replica_allowed and not found.candidates):
-                raise _unmet(node, requirement, found, mesh, m)
-        else:
-            kept = found.candidates
-        if not kept:
-            if is_inplace(node):
-                raise PolicyError(str(node), "op", node.signature,
-                                  "an in-place op DTensor can run (it has no sharding rule for these inputs, and "
-                                  "writing into a gathered copy would leave the original unchanged)")
-            local.add(node.index)
-            kept = [_replicated_candidate(node, found.saved)]
+        kept = candidates[node.index]
         # ties go to the smaller footprint: a byte held costs far less than any modelled time
-        options.append([(c.inputs, c.outputs, c.grads, _compute_s(found, c, mesh.size(m)) + TIE_S_PER_BYTE * c.saved)
+        options.append([(c.inputs, c.outputs, c.grads, _compute_s(work[node.index], c) + TIE_S_PER_BYTE * c.saved)
                         for c in kept])
-        saved[node.index] = (found.saved, [c.saved for c in kept])
+        held[node.index] = [c.saved for c in kept]
     source_rows = {}
     for tid in sources:
         source_rows[tid] = len(options)
         value = graph.tensors[tid]
-        places = [Replicate()]
-        if tid in graph.params:
-            places += [Shard(d) for d in range(value.ndim) if value.shape[d] % mesh.size(m) == 0
-                       and value.shape[d] >= mesh.size(m)]
         nbytes = value.numel() * value.element_size()
-        options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / (mesh.size(m) if p.is_shard() else 1))
-                        for p in places])
-    edges, readers = [], {}
+        places = _source_placements(value, mesh, tid in graph.params)
+        options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / _pieces(mesh, p)) for p in places])
+        if tid in graph.params:  # the parameter, its gradient and Adam's two moments, as shards
+            held[source_rows[tid]] = [STATE_COPIES * nbytes / _pieces(mesh, p) for p in places]
+    edges, readers, copies = [], {}, {}
     for node in graph.nodes:
         for slot, tid in enumerate(node.operand_ids):
             readers.setdefault(tid, []).append((node.index, slot))
             u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
-            price = _pricer(graph.tensors[tid], model, m, mesh.size(m))
+            price = _pricer(graph.tensors[tid], model, mesh, moves)
             if slot == 0 and is_inplace(node):
                 price = _unmoved(price)
+            if tid in graph.params and memory_budget is not None:  # a moved parameter is saved as a copy
+                copies[len(edges)] = [c.param_saved[slot] if c.param_saved else 0 for c in candidates[node.index]]
             edges.append((u, o, node.index, slot, price))
     sink = len(options)
-    options.append([((Replicate(),), (), (None,), 0.0)])
+    options.append([(((Replicate(),) * mesh.ndim,), (), (None,), 0.0)])
     for tid in graph.outputs:
         if tid in producers:  # the caller gets full tensors: each output ends replicated
             u, o = producers[tid]
-            edges.append((u, o, sink, 0, _pricer(graph.tensors[tid], model, m, mesh.size(m))))
+            edges.append((u, o, sink, 0, _pricer(graph.tensors[tid], model, mesh, moves)))
     names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
-    reductions = [(_reduction_s(graph.tensors[tid], model, m), found) for tid, found in readers.items()
-                  if graph.tensors[tid].is_floating_point()]
-    return _DimProblem(Problem(options, edges, names, reductions), source_rows, saved)
+    reductions = [(_reduction_s(graph.tensors[tid], model, m), found, m) for tid, found in readers.items()
+                  if graph.tensors[tid].is_floating_point() for m in range(mesh.ndim)]
+    memory = (memory_budget, held) if memory_budget is not None else None
+    same_as = repeated_rows(graph, options, source_rows) if share_layers else {}
+    return Problem(options, edges, names, reductions, memory, copies, same_as), source_rows
+
+
+def _no_combination(node: OpNode, requirement: Requirement | None, mesh: DeviceMesh, refused: Candidate,
+                    why: str) -> PolicyError:
+    """Every combination of the op's per-dim candidates was refused on the whole mesh."""
+    where, field_name, got = ((requirement.source, requirement.field, list(requirement.shown) or None)
+                              if requirement is not None else (str(node), "op", node.signature))
+    return PolicyError(where, field_name, got, f"placements DTensor runs {node.signature} at without communicating "
+                                               f"on the whole mesh {tuple(mesh.shape)}: each mesh dim has some, but "
+                                               f"DTensor refuses every combination of them (the last, inputs "
+                                               f"{', '.join(map(_fmt, refused.inputs))}: {why.rstrip('.')})")
+
+
+def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requirement: Requirement | None,
+                     graph: GraphView, differentiated: set[int]) -> tuple[list[Candidate], NodeOptions, tuple]:
+    """The op's candidates on the whole mesh, its one-device work, and its (parameter, differentiated) operand
+    slots. Per mesh dim, DTensor's candidates there, filtered by the constraint where it applies to that dim; then
+    every combination of one survivor per dim (CandidateCache.combined). A combination DTensor runs on the whole
+    mesh without communicating also runs, dim by dim, on each dim's part of it for the ops whose N-D strategies
+    DTensor builds as products of per-dim ones (single-dim rules, expanded op strategies): for those, combining
+    survivors loses nothing. An op whose N-D strategies are not such a product can lose a combination it accepts
+    on the mesh but not one dim at a time."""
+    param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
+    grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
+    per_dim = []
+    for m in range(mesh.ndim):
+        found = cache.options(node, m, param_slots, grad_slots)
+        kept = found.candidates
+        if requirement is not None and m in requirement.mesh_dims:
+            kept = [c for c in kept if requirement.admits(c)]
+            if not kept and not (requirement.replica_allowed and not found.candidates):
+                raise _unmet(node, requirement, found, mesh, m)
+        per_dim.append(kept)
+    work = cache.options(node, 0, param_slots, grad_slots)
+    slots = (param_slots, grad_slots)
+    if not all(per_dim):
+        return [], work, slots
+    return cache.combined(node, per_dim, param_slots, grad_slots, work.saved), work, slots
 
 
 def _differentiated(graph: GraphView) -> set[int]:
@@ -583,79 +613,73 @@ def _differentiated(graph: GraphView) -> set[int]:
     return found
 
 
-def _held(graph: GraphView, mesh: DeviceMesh, m: int, dims: list[_DimProblem], picks: list) -> dict:
-    """The bytes a rank holds per candidate on mesh dim m: each parameter's state (STATE_COPIES copies of its
-    shard) and each op's saved activations, with the other dims' choices where made and each unsolved dim
-    counted as dividing by its size where it can (the least a rank could hold once it is solved)."""
-    others = [d for d in range(mesh.ndim) if d != m]
-    held = {}
-    for v, (_, per_candidate) in dims[m].saved.items():
-        share = 1.0
-        for d in others:
-            one_device, chosen = dims[d].saved[v]
-            if picks[d] is None:
-                share /= mesh.size(d)
-            elif one_device:
-                share *= chosen[picks[d][v]] / one_device
-        held[v] = [b * share for b in per_candidate]
-    for tid, row in dims[m].source_rows.items():
-        if tid not in graph.params:
-            continue
-        value = graph.tensors[tid]
-        whole = STATE_COPIES * value.numel() * value.element_size()
-        for d in others:
-            if picks[d] is None:
-                whole /= mesh.size(d) if any(n % mesh.size(d) == 0 and n >= mesh.size(d) for n in value.shape) else 1
-            else:
-                other_row = dims[d].source_rows[tid]
-                whole /= mesh.size(d) if dims[d].problem.options[other_row][picks[d][other_row]][1][0].is_shard() else 1
-        held[row] = [whole / (mesh.size(m) if o[1][0].is_shard() else 1) for o in dims[m].problem.options[row]]
-    return held
+def _source_placements(value: torch.Tensor, mesh: DeviceMesh, is_param: bool) -> list[tuple]:
+    """A parameter's placements: on each mesh dim Replicate or Shard on a dim its ranks split evenly (dims that
+    shard the same tensor dim split it in turn); inputs and buffers arrive replicated."""
+    replicate = (Replicate(),) * mesh.ndim
+    if not is_param:
+        return [replicate]
+    per_dim = [[Replicate()] + [Shard(d) for d in range(value.ndim)] for _ in range(mesh.ndim)]
+    return [p for p in itertools.product(*per_dim) if local_shape(value.shape, tuple(mesh.shape), p) is not None]
 
 
-def _replicated_candidate(node: OpNode, saved: int) -> Candidate:
+def _pieces(mesh: DeviceMesh, placements: tuple) -> int:
+    """Into how many pieces `placements` cut a tensor (each rank holds one)."""
+    return math.prod(mesh.size(m) for m, p in enumerate(placements) if splits(p))
+
+
+def _replicated_candidate(node: OpNode, saved: int, ndim: int) -> Candidate:
+    replicate = (Replicate(),) * ndim
     operands = operand_tensors(node)
-    return Candidate(tuple(Replicate() for _ in operands), tuple(Replicate() for _ in node.output_ids),
-                     tuple(Replicate() if t.is_floating_point() else None for t in operands), False, saved)
+    return Candidate(tuple(replicate for _ in operands), tuple(replicate for _ in node.output_ids),
+                     tuple(replicate if t.is_floating_point() else None for t in operands), 1, saved)
 
 
-def _compute_s(found: NodeOptions, c: Candidate, ranks: int) -> float:
-    work = found.flops * FLOP_S + found.nbytes * BYTE_S
-    return work / ranks if c.divides else work
+def _compute_s(found: NodeOptions, c: Candidate) -> float:
+    return (found.flops * FLOP_S + found.nbytes * BYTE_S) / c.shards
 
 
-def _pricer(value: torch.Tensor, model, mesh_dim: int, ranks: int):
-    """cost(p, q, g): move the producer's placement p to the consumer's q, then the gradient g back to p; None
-    where DTensor cannot (into Partial)."""
-    nbytes = value.numel() * value.element_size()
-    dims = (mesh_dim,)
+def _pricer(value: torch.Tensor, model, mesh: DeviceMesh, moves: dict):
+    """cost(p, q, g): move the producer's placements p to the consumer's q (the steps DTensor's redistribution
+    takes for the whole N-D move, priced by the cost model), then the gradient g back to p; None where DTensor
+    cannot (into Partial, or a move its planner refuses). `moves` caches the prices by shape and placements: the
+    moves, and each (p, q, g) (the edges of repeated layers and of same-shaped values ask for the same ones)."""
+    shape, floating = (tuple(value.shape), value.dtype), value.is_floating_point()
 
     def move(src, dst) -> float | None:
         if src == dst:
             return 0.0
-        if dst.is_partial():  # DTensor only makes Partial values inside ops, never by redistributing to them
-            return None
-        if src.is_replicate():
-            return 0.0
-        if src.is_partial():
-            kind = "all_reduce" if dst.is_replicate() else "reduce_scatter"
-            return model.collective_time(kind, dims, nbytes)
-        if dst.is_shard():  # Shard(a) -> Shard(b)
-            return model.collective_time("all_to_all", dims, nbytes // ranks)
-        return model.collective_time("all_gather", dims, nbytes)
+        if any(d.is_partial() and s != d for s, d in zip(src, dst)):
+            return None  # DTensor only makes Partial values inside ops, never by redistributing to them
+        key = (shape, src, dst)
+        if key not in moves:
+            try:
+                moves[key] = sum(step.time_s for step in _collectives(mesh, value, src, dst, model))
+            except Exception:  # noqa: BLE001 - DTensor cannot plan this move: the pair is never chosen
+                moves[key] = None
+        return moves[key]
+
+    def both_ways(p, q, g) -> float | None:
+        forward = move(p, q)
+        if forward is None or g is None or not floating:
+            return forward
+        back_to = tuple(Replicate() if x.is_partial() else x for x in p)
+        # a Partial gradient is reduced once for all readers (see _reduction_s): only the rest moves here
+        back = move(tuple(b if x.is_partial() else x for x, b in zip(g, back_to)), back_to)
+        return None if back is None else forward + back
 
     def price(p, q, g) -> float | None:
-        forward = move(p, q)
-        if forward is None or g is None or g.is_partial() or not value.is_floating_point():
-            return forward  # a Partial gradient is reduced once for all readers (see _reduction_s)
-        back = move(g, Replicate() if p.is_partial() else p)
-        return None if back is None else forward + back
+        key = (shape, p, q, g)
+        if key not in moves:
+            moves[key] = both_ways(p, q, g)
+        return moves[key]
 
     return price
 
 
 def _reduction_s(value: torch.Tensor, model, mesh_dim: int) -> float:
-    """Reducing the summed Partial gradients of a value: priced as an all-reduce of the whole value."""
+    """Reducing the summed Partial gradients of a value on one mesh dim: priced as an all-reduce of the whole
+    value."""
     return model.collective_time("all_reduce", (mesh_dim,), value.numel() * value.element_size())
 
 
@@ -670,15 +694,15 @@ def _unmet(node: OpNode, requirement: Requirement, found: NodeOptions, mesh: Dev
     """Why no candidate meets the constraint: what DTensor does with each requested placement, and what it allows."""
     reasons = []
     for shown, (slot, dim) in zip(requirement.shown, requirement.allowed):
-        refusals = [why for combo, why in found.tried.items() if combo[slot] == Shard(dim)]
+        refusals = [why for combo, why in found.tried.items() if combo[slot] == (Shard(dim),)]
         if refusals:
             reasons.append(f"input {shown.split(',')[0]} sharded on dim {dim}: {refusals[0].rstrip('.')}")
         else:
             size = operand_tensors(node)[slot].shape[dim]
             reasons.append(f"input {shown.split(',')[0]} dim {dim} (size {size}) cannot be split evenly over "
                            f"{mesh.size(m)} ranks")
-    allowed = sorted({f"{k},{c.inputs[k].dim}" for c in found.candidates for k in range(len(c.inputs))
-                      if c.inputs[k].is_shard()})
+    allowed = sorted({f"{k},{c.inputs[k][0].dim}" for c in found.candidates for k in range(len(c.inputs))
+                      if c.inputs[k][0].is_shard()})
     names = mesh.mesh_dim_names
     on = f" on mesh dim {names[m] if names else m}"
     return PolicyError(requirement.source, requirement.field, list(requirement.shown) or None,
@@ -697,6 +721,7 @@ def parallelize(
     cfg: object = None,
     cost_model=None,
     memory_budget: int | None = None,
+    share_layers: bool = True,
     warn_unused: bool = False,
     plan: Plan | None = None,
     styles: bool = True,
@@ -710,7 +735,8 @@ def parallelize(
 
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
-                          cost_model=cost_model, memory_budget=memory_budget, warn_unused=warn_unused)
+                          cost_model=cost_model, memory_budget=memory_budget, share_layers=share_layers,
+                          warn_unused=warn_unused)
     plan.styles = proven_styles(plan) if styles else {}
     apply_styles(model, plan, plan.styles)
     PlanExecutor(plan).install(model)

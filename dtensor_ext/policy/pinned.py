@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from dtensor_ext.policy.adapter import (OpChoice, Plan, _differentiated, _fmt, _moves, _short,
                                        _trace_outside_simulation)
 from dtensor_ext.policy.constraints import _BoundedLoader
-from dtensor_ext.policy.derive import CandidateCache
+from dtensor_ext.policy.derive import Candidate, CandidateCache, local_shape
 from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["load_plan"]
@@ -68,25 +68,24 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
             continue
         texts_in = [_tokens(t, mesh, where, "inputs") for t in inputs]
         texts_out = [_tokens(t, mesh, where, "outputs") for t in outputs]
-        chosen_in, chosen_out = [[] for _ in inputs], [[] for _ in outputs]
         param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
         grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
-        for m in range(mesh.ndim):
-            found = cache.options(node, m, param_slots, grad_slots).candidates
-            wanted = (tuple(t[m] for t in texts_in), tuple(t[m] for t in texts_out))
-            match = next((c for c in found if (tuple(map(_short, c.inputs)), tuple(map(_short, c.outputs)))
-                          == wanted), None)
-            if match is None:
-                runs = sorted({f"{' '.join(map(_short, c.inputs))} -> {' '.join(map(_short, c.outputs))}"
-                               for c in found})
-                raise PolicyError(where, "inputs/outputs", f"{inputs} -> {outputs}",
-                                  f"placements DTensor runs {node.signature} at without communicating on mesh dim "
-                                  f"{m}: {'; '.join(runs) or 'none (it runs local)'}")
-            for k, p in enumerate(match.inputs):
-                chosen_in[k].append(p)
-            for k, p in enumerate(match.outputs):
-                chosen_out[k].append(p)
-        choices.append(OpChoice(node, tuple(map(tuple, chosen_in)), tuple(map(tuple, chosen_out))))
+        every = [cache.options(node, m, param_slots, grad_slots).candidates for m in range(mesh.ndim)]
+        per_dim = [[c for c in found if tuple(_short(p[0]) for p in c.inputs) == tuple(t[m] for t in texts_in)]
+                   for m, found in enumerate(every)]
+        offered = cache.combined(node, per_dim, param_slots, grad_slots, 0) if all(per_dim) else []
+        proofs = [c if c.proven else cache.prove(node, c, param_slots, grad_slots) for c in offered]
+        found = [c for c in proofs if isinstance(c, Candidate)]
+        wanted = (tuple(texts_in), tuple(texts_out))
+        match = next((c for c in found if (tuple(tuple(map(_short, p)) for p in c.inputs),
+                                           tuple(tuple(map(_short, p)) for p in c.outputs)) == wanted), None)
+        if match is None:
+            runs = [f"mesh dim {m}: {'; '.join(sorted(_runs(found))) or 'none (it runs local)'}"
+                    for m, found in enumerate(every)]
+            raise PolicyError(where, "inputs/outputs", f"{inputs} -> {outputs}",
+                              f"placements DTensor runs {node.signature} at without communicating, on the whole "
+                              f"mesh (combining what it runs per dim, {' | '.join(runs)})")
+        choices.append(OpChoice(node, match.inputs, match.outputs))
     modelled = data.get("modelled_us", 0.0)
     if not isinstance(modelled, (int, float)) or isinstance(modelled, bool):
         raise PolicyError(origin, "modelled_us", modelled, "a number (the plan's modelled step time)")
@@ -96,6 +95,11 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
                     f"{_fmt(held)} -> {_fmt(target)}" for slot, what, held, target, _ in found]
     plan.planning_s = time.perf_counter() - start
     return plan
+
+
+def _runs(found) -> set[str]:
+    return {f"{' '.join(map(_short, (p[0] for p in c.inputs)))} -> {' '.join(map(_short, (p[0] for p in c.outputs)))}"
+            for c in found}
 
 
 def _read(text: object, origin: str) -> dict:
@@ -124,15 +128,12 @@ def _tokens(text: object, mesh: DeviceMesh, where: str, field_name: str) -> tupl
 
 
 def _parameter(text: object, value: torch.Tensor, mesh: DeviceMesh, where: str) -> tuple:
-    """A parameter's placements: Replicate, or Shard on a dim the mesh dim's ranks split evenly (what the solve
-    offers)."""
-    out = []
-    for m, token in enumerate(_tokens(text, mesh, where, "parameters")):
-        dim = int(token[2:-1]) if token.startswith("S") else None
-        if token == "P" or dim is not None and not (dim < value.ndim and value.shape[dim] % mesh.size(m) == 0
-                                                    and value.shape[dim] >= mesh.size(m)):
-            raise PolicyError(where, "parameters", text, f"R or S(<dim>) on a dim of {list(value.shape)} that "
-                                                         f"{mesh.size(m)} ranks split evenly, on mesh dim {m}")
-        out.append(Replicate() if dim is None else Shard(dim))
-    return tuple(out)
-
+    """A parameter's placements: per mesh dim Replicate or Shard, splitting the tensor evenly over the ranks (what
+    the solve offers)."""
+    tokens = _tokens(text, mesh, where, "parameters")
+    out = tuple(Replicate() if t == "R" else Shard(int(t[2:-1])) if t != "P" else None for t in tokens)
+    if None in out or any(p.dim >= value.ndim for p in out if p.is_shard()) or local_shape(
+            value.shape, tuple(mesh.shape), out) is None:
+        raise PolicyError(where, "parameters", text, f"R or S(<dim>) per mesh dim, splitting {list(value.shape)} "
+                                                     f"evenly over the ranks of mesh {tuple(mesh.shape)}")
+    return out

@@ -1,10 +1,15 @@
-"""The exact choice of one candidate per op (and one placement per parameter) on one mesh dim, by HiGHS.
+"""The exact choice of one candidate per op (and one placement per parameter) on the whole mesh, by HiGHS.
 
-Variables: x[v, k] = 1 when op v runs its candidate k. Each dataflow edge (a producer's output read as a consumer's
+Variables: x[v, k] = 1 when op v runs its candidate k (its placements on every mesh dim at once: one joint choice,
+no per-dim alternation). Each dataflow edge (a producer's output read as a consumer's
 input) carries a transport block y[p, q] >= 0 whose row sums equal the producer's choice of output placement p and
 whose column sums equal the consumer's choice of input placement q (with the gradient placement it sends back);
 y[p, q] costs the redistribution p -> q in forward plus the gradient's way back. With x integral the blocks are
 exact, so the optimum is the cheapest plan among DTensor's own candidates: no relaxation, no heuristic.
+
+Rows tied by `same_as` (a repeated layer's op and its match in the first layer) share their columns: their costs
+and held bytes add up on the shared columns, and edges that join the same pair of shared rows share one transport
+block (with the choices equal, both blocks would carry the same move), so the model's size is that of one layer.
 """
 
 from __future__ import annotations
@@ -19,20 +24,31 @@ from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["Problem", "solve"]
 
+# HiGHS sees costs in microseconds: its absolute optimality gap (1e-6 of the objective's unit) on costs in seconds
+# was a whole microsecond, up to 1.7% of a tiny model's step, and let it stop at a plan that far from the optimum
+MICROSECONDS = 1e6
+
 
 @dataclass
 class Problem:
-    """One mesh dim's choice. `options[v]` lists op v's candidates as (inputs, outputs, grads, unary cost);
-    `edges` are (producer, output slot, consumer, operand slot, cost(p, q, g) or None where impossible)."""
+    """The whole mesh's choice. `options[v]` lists op v's candidates as (inputs, outputs, grads, unary cost),
+    each placement a tuple with one entry per mesh dim; `edges` are (producer, output slot, consumer, operand slot,
+    cost(p, q, g) or None where impossible)."""
 
     options: list[list[tuple]]
     edges: list[tuple]
     names: list[str]
-    # (cost, [(op, operand slot), ...]): paid once when any of these ops' chosen candidates sends a Partial
-    # gradient back through that slot (autograd sums the partial gradients first, DTensor then reduces once)
+    # (cost, [(op, operand slot), ...], mesh dim): paid once when any of these ops' chosen candidates sends a
+    # gradient back through that slot that is Partial on that mesh dim (autograd sums the partial gradients first,
+    # DTensor then reduces once)
     reductions: list[tuple] = field(default_factory=list)
     # (bytes per rank, {option row: bytes held per candidate}): the memory the chosen candidates hold, capped
     memory: tuple | None = None
+    # {edge index: bytes per candidate of its consumer}: what the consumer holds for backward when the edge's value
+    # reaches it moved (a parameter saved as a gathered copy instead of itself), counted in the memory budget
+    copies: dict = field(default_factory=dict)
+    # {option row: the row whose choice it takes}: the same candidates, in the same order
+    same_as: dict = field(default_factory=dict)
 
 
 def _quiet_highs(highspy):
@@ -57,49 +73,76 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
     h = _quiet_highs(highspy)
     costs: list[float] = []
     first: list[int] = []
-    for opts in problem.options:
-        first.append(len(costs))
-        costs += [o[3] for o in opts]
+    for v, opts in enumerate(problem.options):
+        leader = problem.same_as.get(v)
+        first.append(len(costs) if leader is None else first[leader])
+        if leader is None:
+            costs += [o[3] for o in opts]
+        else:
+            for k, o in enumerate(opts):
+                costs[first[v] + k] += o[3]
+    n_choice = len(costs)
     rows: list[tuple[float, list[int], list[float]]] = []  # (rhs, columns, coefficients)
     for v, opts in enumerate(problem.options):
-        rows.append((1.0, list(range(first[v], first[v] + len(opts))), [1.0] * len(opts)))
-    for u, slot_out, v, slot_in, price in problem.edges:
+        if v not in problem.same_as:
+            rows.append((1.0, list(range(first[v], first[v] + len(opts))), [1.0] * len(opts)))
+    copied: dict[int, float] = {}  # transport column -> bytes a rank holds when that move is chosen
+    shared_blocks: dict[tuple, dict] = {}  # (producer row, slot, consumer row, slot) after ties -> its block
+    for e, (u, slot_out, v, slot_in, price) in enumerate(problem.edges):
         outs: dict = {}
         for k, o in enumerate(problem.options[u]):
             outs.setdefault(o[1][slot_out], []).append(first[u] + k)
         ins: dict = {}
+        copies = problem.copies.get(e)
         for k, o in enumerate(problem.options[v]):
-            ins.setdefault((o[0][slot_in], o[2][slot_in]), []).append(first[v] + k)
-        block = {}
+            ins.setdefault((o[0][slot_in], o[2][slot_in], copies[k] if copies else 0),
+                           []).append(first[v] + k)
+        prices = {}
         for p in outs:
-            for q, g in ins:
+            for q, g, nbytes in ins:
                 cost = price(p, q, g)
                 if cost is not None:  # an impossible move gets no variable: the pair cannot be chosen together
-                    block[p, (q, g)] = len(costs)
-                    costs.append(cost)
+                    prices[p, (q, g, nbytes)] = cost
+        key = (problem.same_as.get(u, u), slot_out, problem.same_as.get(v, v), slot_in)
+        block = shared_blocks.get(key)
+        if block is not None and block.keys() == prices.keys():
+            for pair, cost in prices.items():
+                costs[block[pair]] += cost
+                if pair[1][2] and pair[0] != pair[1][0]:
+                    copied[block[pair]] += pair[1][2]
+            continue
+        block = {}
+        for pair, cost in prices.items():
+            block[pair] = len(costs)
+            if pair[1][2] and pair[0] != pair[1][0]:
+                copied[len(costs)] = pair[1][2]
+            costs.append(cost)
+        shared_blocks.setdefault(key, block)
         for p, columns in outs.items():
             ys = [block[p, qg] for qg in ins if (p, qg) in block]
             rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
         for qg, columns in ins.items():
             ys = [block[p, qg] for p in outs if (p, qg) in block]
             rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
-    for cost, readers in problem.reductions:
-        sending = [first[v] + k for v, slot in readers for k, o in enumerate(problem.options[v])
-                   if o[2][slot] is not None and o[2][slot].is_partial()]
+    for cost, readers, m in problem.reductions:
+        sending = {first[v] + k for v, slot in readers for k, o in enumerate(problem.options[v])
+                   if o[2][slot] is not None and o[2][slot][m].is_partial()}
         if not sending:
             continue
         paid = len(costs)
         costs.append(cost)
-        for column in sending:  # paid >= x[v, k] for each candidate that sends a Partial gradient
+        for column in sorted(sending):  # paid >= x[v, k] for each candidate that sends a Partial gradient
             rows.append((None, [paid, column], [1.0, -1.0]))
     if problem.memory is not None:
         cap, held = problem.memory
-        columns = [first[v] + k for v, sizes in held.items() for k in range(len(sizes))]
-        rows.append(("cap", columns, [b for sizes in held.values() for b in sizes]))
+        bytes_at: dict[int, float] = dict(copied)
+        for v, sizes in held.items():
+            for k, b in enumerate(sizes):
+                bytes_at[first[v] + k] = bytes_at.get(first[v] + k, 0.0) + b
+        rows.append(("cap", list(bytes_at), list(bytes_at.values())))
     n = len(costs)
     h.addVars(n, np.zeros(n), np.ones(n))
-    h.changeColsCost(n, np.arange(n), np.array(costs, dtype=float))
-    n_choice = sum(len(o) for o in problem.options)
+    h.changeColsCost(n, np.arange(n), np.array(costs, dtype=float) * MICROSECONDS)
     h.changeColsIntegrality(n_choice, np.arange(n_choice), np.array([highspy.HighsVarType.kInteger] * n_choice))
     starts, indices, values = [], [], []
     for _, columns, coefficients in rows:
@@ -119,4 +162,4 @@ def solve(problem: Problem, where: str) -> tuple[list[int], float]:
     for v, opts in enumerate(problem.options):
         values_v = [x[first[v] + k] for k in range(len(opts))]
         chosen.append(int(np.argmax(values_v)))
-    return chosen, h.getInfo().objective_function_value
+    return chosen, h.getInfo().objective_function_value / MICROSECONDS
