@@ -293,16 +293,17 @@ def test_a_sample_keeps_its_values_when_the_generator_edits_them_for_the_next_on
 
 
 def test_communication_against_torch_alone_is_reported_per_op():
-    """Collectives and payload bytes of the runs correct both ways, torch alone against the package, per op; the
+    """Collectives and received bytes of the runs correct both ways, torch alone against the package, per op; the
     rules that moved more than torch's own path (aminmax and pairwise_distance's norm gathered a reduced dim that
     torch leaves Partial) move no more now."""
     result = measure(Options(ops=["aminmax", "nn.functional.pairwise_distance", "add"], max_samples=4,
                              max_shardings=6))
     comm = result["communication_vs_torch"]
     for mesh in ("1d4", "2x2"):
-        # an op is listed as moving more exactly where the package's runs moved more collectives or bytes
+        # an op is listed as moving more exactly where the package's runs moved more collectives or received bytes
         for op, measured in comm[mesh]["differ"].items():
-            more = measured["collectives"][1] > measured["collectives"][0] or measured["bytes"][1] > measured["bytes"][0]
+            more = (measured["collectives"][1] > measured["collectives"][0]
+                    or measured["received_bytes"][1] > measured["received_bytes"][0])
             assert (op in comm[mesh]["more_than_torch"]) == more, (mesh, op, measured)
         assert "add" not in comm[mesh]["differ"]  # torch's own strategy either way
         assert comm[mesh]["more_than_torch"] == [], (mesh, comm[mesh]["differ"])
@@ -312,8 +313,8 @@ def test_communication_against_torch_alone_is_reported_per_op():
 
 
 def _both_ways(label: str, index: int, mesh_name: str, placements) -> dict[str, tuple]:
-    """(outcome, reason, (collectives, payload bytes)) of one OpInfo sample under one input sharding, torch alone
-    and with the package, exactly as the sweep runs it."""
+    """(outcome, reason, (collectives, payload bytes, received bytes)) of one OpInfo sample under one input
+    sharding, torch alone and with the package, exactly as the sweep runs it."""
     from collections import Counter
 
     from dtensor_ext.testing.mesh import rank_coordinates, simulated_mesh
@@ -354,8 +355,24 @@ _ONCE_WORSE = [
 def test_ops_once_worse_move_no_more_than_torch_alone(label, index, mesh_name, placements):
     ran = _both_ways(label, index, mesh_name, placements)
     assert ran["without"][0] == ran["with"][0] == "correct", ran
-    (c0, b0), (c1, b1) = ran["without"][2], ran["with"][2]
-    assert c1 <= c0 and b1 <= b0, ran
+    (c0, _, r0), (c1, _, r1) = ran["without"][2], ran["with"][2]
+    assert c1 <= c0 and r1 <= r0, ran
+
+
+def test_bytes_are_judged_as_received_not_as_payload():
+    """polar's Partial angle of 5 elements on 4 ranks, under a [5, 1] abs whose size-1 dim is split: torch alone
+    all-reduces it (20 payload bytes), the package's rule keeps the output split and reduce-scatters it, padded to
+    8 elements (32 payload bytes). The reduce-scatter hands in more but moves less (24 bytes received against 30),
+    and polar is not listed as moving more than torch alone."""
+    ran = _both_ways("polar", 2, "1d4", [(Shard(1),), (P,)])
+    assert ran["without"][0] == ran["with"][0] == "correct", ran
+    (c0, b0, r0), (c1, b1, r1) = ran["without"][2], ran["with"][2]
+    assert (c0, b0, r0) == (2, 40, 90) and (c1, b1, r1) == (2, 52, 84), ran  # all-gather of abs (60 B) both ways
+    result = measure(Options(ops=["polar"], max_samples=4, max_shardings=4, meshes=["1d4"], check_fallback=False))
+    comm = result["communication_vs_torch"]["1d4"]
+    (p0, p1), (q0, q1) = comm["differ"]["polar"]["bytes"], comm["differ"]["polar"]["received_bytes"]
+    assert p1 > p0 and q1 < q0, comm
+    assert "polar" not in comm["more_than_torch"], comm
 
 
 def test_a_malformed_output_piece_is_wrong_even_where_full_tensor_looks_right():
@@ -411,6 +428,28 @@ def test_torch_alone_is_wrong_where_shards_carry_unequal_target_weight(label, in
     """The sweep's extra samples make torch alone's mean-loss defect visible (so these ops leave "torch alone
     computes right"); the package's gather gives the right loss."""
     ran = _both_ways(label, index, mesh_name, placements)
+    assert ran["with"][0] == "correct", ran
+    assert (ran["without"][0] == "wrong") == _torch_alone_averages_shard_losses(), ran
+
+
+@pytest.mark.parametrize("mesh_name", ["1d4", "2x2"])
+def test_an_extra_samples_batch_split_is_always_run(mesh_name):
+    """The sharding cap draws 4 of linear_cross_entropy.chunked's extra sample's 32 shardings on 1d4 and none splits
+    the batch; the batch split is run as well, and torch alone is WRONG there (where it averages shard losses)."""
+    from collections import Counter
+
+    from dtensor_ext.tools.opdb_coverage import EXTRA_SAMPLE_INDEX, MESHES, _cases, _selected_opinfos, _shardings
+
+    label = "nn.functional.linear_cross_entropy.chunked"
+    (info,), _ = _selected_opinfos(Options(ops=[label]))
+    (case,) = [c for c in _cases(info, Options(max_samples=1), Counter()) if c.index == EXTRA_SAMPLE_INDEX]
+    ndim = len(MESHES[mesh_name])
+    skipped: Counter = Counter()
+    picked = _shardings(case, mesh_name, ndim, 4, skipped)
+    split = ((Shard(0),) * ndim, (R,) * ndim, (R,) * ndim)
+    assert split in picked and len(picked) in (4, 5)
+    assert skipped["sharding cap"] == (4 ** ndim) ** 2 * 2 ** ndim - len(picked)
+    ran = _both_ways(label, EXTRA_SAMPLE_INDEX, mesh_name, list(split))
     assert ran["with"][0] == "correct", ran
     assert (ran["without"][0] == "wrong") == _torch_alone_averages_shard_losses(), ran
 
