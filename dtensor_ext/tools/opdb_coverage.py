@@ -634,15 +634,15 @@ def _summary(options, excluded, cases, records, skipped_samples, not_run, second
 def _communication_vs_torch(meshes, cases, records) -> dict[str, Any]:
     """Per mesh, for each op with runs correct both with and without the package: collectives, payload bytes
     ("bytes") and received bytes summed over those runs, [torch alone, with the package], listed where they differ;
-    and the ops that move more with the package (collectives or received bytes) among those torch alone computes
+    and the ops that move more with the package (collectives or payload bytes) among those torch alone computes
     right (an op with a WRONG run without the package is not: what the package moves more there is the price of a
     right answer on every input).
 
-    Bytes are judged as received (what the busiest rank takes off the wire, `CommStats.received_bytes`), not as
-    payload: the payloads of different collectives do not compare. A reduce-scatter's payload is the whole
-    (padded) input, an all-reduce's too, yet the all-reduce moves about twice as much: polar's Partial operand of 5
-    elements on 4 ranks is 32 payload bytes reduce-scattered (padded to 8) and 20 all-reduced, but 24 received
-    against 30."""
+    Received bytes (what the busiest rank takes off the wire, `CommStats.received_bytes`) are reported beside the
+    payload, not judged: the two can disagree between collectives of different kinds. A reduce-scatter of 5
+    elements on 4 ranks hands in 8 (padded) and receives 6, an all-reduce of them hands in 5 and receives 7.5; an
+    all-reduce of 20 elements receives more than a reduce-scatter of them plus an all-gather of 2, yet hands in
+    less."""
     out: dict[str, Any] = {}
     for m in meshes:
         differ, worse = {}, []
@@ -656,7 +656,7 @@ def _communication_vs_torch(meshes, cases, records) -> dict[str, Any]:
             if (c0, b0, r0) != (c1, b1, r1):
                 differ[label] = {"runs": len(both), "collectives": [c0, c1], "bytes": [b0, b1],
                                  "received_bytes": [r0, r1]}
-            if (c1 > c0 or r1 > r0) and records[m]["without"][label].status != "wrong":
+            if (c1 > c0 or b1 > b0) and records[m]["without"][label].status != "wrong":
                 worse.append(label)
         out[m] = {"differ": differ, "more_than_torch": worse}
     return out
@@ -693,15 +693,15 @@ def format_report(result: dict[str, Any], verbose: bool = False) -> str:
         communication = result.get("communication_vs_torch", {}).get(mesh)
         if communication is not None:
             differ = communication["differ"]
-            better = [op for op, d in differ.items() if d["collectives"][1] <= d["collectives"][0]
-                      and d["received_bytes"][1] <= d["received_bytes"][0]]
+            better = [op for op, d in differ.items()
+                      if d["collectives"][1] <= d["collectives"][0] and d["bytes"][1] <= d["bytes"][0]]
             lines.append(f"  ops moving more than torch alone (runs correct both ways): "
                          f"{len(communication['more_than_torch'])}; less: {len(better)}")
             for op in communication["more_than_torch"] if verbose or len(communication["more_than_torch"]) <= 20 else []:
                 d = differ[op]
                 lines.append(f"    {op}: collectives {d['collectives'][0]} -> {d['collectives'][1]}, "
-                             f"received bytes {d['received_bytes'][0]:,} -> {d['received_bytes'][1]:,} (payload "
-                             f"{d['bytes'][0]:,} -> {d['bytes'][1]:,}) over {d['runs']} runs")
+                             f"payload bytes {d['bytes'][0]:,} -> {d['bytes'][1]:,} (received "
+                             f"{d['received_bytes'][0]:,} -> {d['received_bytes'][1]:,}) over {d['runs']} runs")
         with_package = by_mode["with"]["ops"]
         for key in ("wrong", "no_strategy", "error", "other"):
             if with_package[key] and (verbose or key == "wrong"):
