@@ -199,7 +199,8 @@ def test_every_layout_of_a_pooled_input_is_right(mesh_shape, op):
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
 def test_local_response_norm_of_one_sample_stays_sharded(fix_state, fixed_ops, mesh_shape):
     """F.local_response_norm pads a batch of 1 split over every rank (1, 0, 0, 0) and average-pools it: with the
-    fix no collective runs and the result stays split; torch's pooling strategy gathers the padded tensor."""
+    fix no collective runs and the result stays split; torch 2.13's pooling strategy gathers the padded tensor
+    (2.15's pad and pooling rules keep the split by themselves)."""
     x = sample_tensor((1, 6, 3))
     if _compat.torch_strategy_kind(aten.avg_pool2d.default) not in _compat.DIRECT_STRATEGY_KINDS:
         pytest.skip("this torch has no strategy for avg_pool2d")
@@ -209,7 +210,9 @@ def test_local_response_norm_of_one_sample_stays_sharded(fix_state, fixed_ops, m
             out = F.local_response_norm(d, 2)
         got = local_values(out.full_tensor())
     assert all(torch.allclose(v, F.local_response_norm(x, 2), atol=1e-6) for v in got.values())
-    if fix_state == "fixed" and "aten::avg_pool2d.default" in fixed_ops["even-only rules exact on uneven shards"]:
+    fixed_here = fixed_ops["even-only rules exact on uneven shards"]
+    torch_gathers = {"aten::avg_pool2d.default", "aten::constant_pad_nd.default"} & fixed_here  # 2.15: neither
+    if fix_state == "fixed" or not torch_gathers:
         assert (out.placements, comms.get_total_counts()) == ((Shard(0),) * len(mesh_shape), 0)
     else:
         assert comms.get_total_counts() > 0
