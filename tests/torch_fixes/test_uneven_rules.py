@@ -155,7 +155,8 @@ _SAME_LAYOUT = {aten.max_unpool2d.default, aten.max_unpool3d.default}
 
 
 @pytest.mark.parametrize("opinfo", ["nn.functional.interpolate", "nn.functional.grid_sample", "roll",
-                                    "constant_pad_nd"])
+                                    "constant_pad_nd", "nn.functional.avg_pool2d", "nn.functional.max_pool2d",
+                                    "nn.functional.adaptive_avg_pool2d"])
 def test_torch_validator_agrees(opinfo):
     if not _compat.has_strategy_validator():
         pytest.skip("this torch has no strategy validator (strategy_validation.compare_operator, torch 2.12+)")
