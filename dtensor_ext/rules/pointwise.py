@@ -40,7 +40,10 @@ def complex_rule(op, args, kwargs):
 
 @single_dim_rule("aten::polar", family=FAMILY)
 def polar_rule(op, args, kwargs):
-    return elementwise_rows(list(args[:2]))
+    """abs * (cos(angle) + i*sin(angle)) is linear in abs: a Partial(sum) abs with the angle replicated gives a
+    Partial(sum) result, with no collective. torch 2.15 alone reaches that layout through polar's decomposition
+    (a product with a replicated factor); without it the package all-reduced abs first."""
+    return elementwise_rows(list(args[:2])) + [[Partial("sum"), Partial("sum"), Replicate()]]
 
 
 @single_dim_rule(["aten::isin.Tensor_Tensor", "aten::isin.Tensor_Scalar"], family=FAMILY,

@@ -138,8 +138,8 @@ class _OpRecord:
     outcomes: Counter = field(default_factory=Counter)
     example: dict[str, str] = field(default_factory=dict)  # outcome -> first reason seen
     fallbacks: int = 0
-    # (sample, placements) -> (collectives, payload bytes) of each correct run
-    communication: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    # (sample, placements) -> (collectives, payload bytes, received bytes) of each correct run
+    communication: dict[tuple[int, str], tuple[int, int, int]] = field(default_factory=dict)
 
     def add(self, outcome: str, reason: str | None = None) -> None:
         self.outcomes[outcome] += 1
@@ -294,13 +294,19 @@ def _choices(t: torch.Tensor, mesh_ndim: int) -> list[tuple]:
     return list(itertools.product(per_dim, repeat=mesh_ndim))
 
 
+def _batch_split(case: _Case, mesh_ndim: int) -> tuple:
+    """The first input's dim 0 split over every mesh dim, every other input replicated: the layout an extra
+    sample exists for (a batch split into shards of unequal target weight)."""
+    return tuple((Shard(0) if i == 0 else Replicate(),) * mesh_ndim for i in range(len(case.tensors)))
+
+
 def _shardings(case: _Case, mesh_name: str, mesh_ndim: int, cap: int, skipped: Counter) -> list[tuple]:
-    """Input placements to run: all combinations, or a fixed pseudo-random `cap` of them."""
+    """Input placements to run: all combinations, or a fixed pseudo-random `cap` of them; an extra sample's batch
+    split is always run (one more than `cap` where the draw missed it)."""
     per_input = [_choices(t, mesh_ndim) for t in case.tensors]
     total = math.prod(len(c) for c in per_input)
     if total <= cap:
         return list(itertools.product(*per_input))
-    skipped["sharding cap"] += total - cap
     rng = random.Random(f"{case.op_name}/{case.index}/{mesh_name}")
     picked = []
     for flat_index in sorted(rng.sample(range(total), cap)):
@@ -309,6 +315,9 @@ def _shardings(case: _Case, mesh_name: str, mesh_ndim: int, cap: int, skipped: C
             flat_index, i = divmod(flat_index, len(choices))
             combo.append(choices[i])
         picked.append(tuple(reversed(combo)))
+    if case.index >= EXTRA_SAMPLE_INDEX and _batch_split(case, mesh_ndim) not in picked:
+        picked.append(_batch_split(case, mesh_ndim))
+    skipped["sharding cap"] += total - len(picked)
     return picked
 
 
@@ -468,7 +477,7 @@ def _place_exactly(t: torch.Tensor, placements, mesh_shape, coords) -> dict[int,
 
 def _run_sharded(case: _Case, placements, mesh, coords, options: Options) -> tuple[str, str | None, bool, tuple]:
     """Outcome, reason, whether DTensor communicated where local compute was enough, and (collectives, payload
-    bytes) it ran, for one sharding."""
+    bytes, received bytes) it ran, for one sharding."""
     mesh_shape = tuple(mesh.shape)
     mode = active_mode()
     try:
@@ -479,15 +488,16 @@ def _run_sharded(case: _Case, placements, mesh, coords, options: Options) -> tup
             for t, p, ps in zip(case.tensors, pieces, placements)
         ]
     except Exception as e:  # counted as a skipped run, with its reason, never as a verdict on DTensor
-        return "skipped: inputs not placeable", _first_line(e), False, (0, 0)
+        return "skipped: inputs not placeable", _first_line(e), False, (0, 0, 0)
     comm = CommStatsMode()  # not torch's CommDebugMode: its module tracker fails on a module called twice
     try:
         with comm:
             got = case.call(inputs)
     except Exception as e:
-        return (*_failure(e), False, (0, 0))
+        return (*_failure(e), False, (0, 0, 0))
     outcome, reason = _compare(got, case.expected, mesh.mesh)
-    moved = (sum(comm.stats.collectives.values()), sum(comm.stats.payload_bytes.values()))
+    moved = (sum(comm.stats.collectives.values()), sum(comm.stats.payload_bytes.values()),
+             sum(comm.stats.received_bytes.values()))
     fallback = False
     if outcome == "correct" and options.check_fallback and len(mesh_shape) == 1 and comm.stats.collectives:
         with mode.disable():
@@ -622,10 +632,17 @@ def _summary(options, excluded, cases, records, skipped_samples, not_run, second
 
 
 def _communication_vs_torch(meshes, cases, records) -> dict[str, Any]:
-    """Per mesh, for each op with runs correct both with and without the package: collectives and payload bytes
-    summed over those runs, [torch alone, with the package], listed where they differ; and the ops that move more
-    with the package (collectives or bytes) among those torch alone computes right (an op with a WRONG run without
-    the package is not: what the package moves more there is the price of a right answer on every input)."""
+    """Per mesh, for each op with runs correct both with and without the package: collectives, payload bytes
+    ("bytes") and received bytes summed over those runs, [torch alone, with the package], listed where they differ;
+    and the ops that move more with the package (collectives or payload bytes) among those torch alone computes
+    right (an op with a WRONG run without the package is not: what the package moves more there is the price of a
+    right answer on every input).
+
+    Received bytes (what the busiest rank takes off the wire, `CommStats.received_bytes`) are reported beside the
+    payload, not judged: the two can disagree between collectives of different kinds. A reduce-scatter of 5
+    elements on 4 ranks hands in 8 (padded) and receives 6, an all-reduce of them hands in 5 and receives 7.5; an
+    all-reduce of 20 elements receives more than a reduce-scatter of them plus an all-gather of 2, yet hands in
+    less."""
     out: dict[str, Any] = {}
     for m in meshes:
         differ, worse = {}, []
@@ -634,10 +651,11 @@ def _communication_vs_torch(meshes, cases, records) -> dict[str, Any]:
             both = sorted(set(alone) & set(ours))
             if not both:
                 continue
-            c0, b0 = (sum(alone[k][i] for k in both) for i in (0, 1))
-            c1, b1 = (sum(ours[k][i] for k in both) for i in (0, 1))
-            if (c0, b0) != (c1, b1):
-                differ[label] = {"runs": len(both), "collectives": [c0, c1], "bytes": [b0, b1]}
+            c0, b0, r0 = (sum(alone[k][i] for k in both) for i in range(3))
+            c1, b1, r1 = (sum(ours[k][i] for k in both) for i in range(3))
+            if (c0, b0, r0) != (c1, b1, r1):
+                differ[label] = {"runs": len(both), "collectives": [c0, c1], "bytes": [b0, b1],
+                                 "received_bytes": [r0, r1]}
             if (c1 > c0 or b1 > b0) and records[m]["without"][label].status != "wrong":
                 worse.append(label)
         out[m] = {"differ": differ, "more_than_torch": worse}
@@ -682,7 +700,8 @@ def format_report(result: dict[str, Any], verbose: bool = False) -> str:
             for op in communication["more_than_torch"] if verbose or len(communication["more_than_torch"]) <= 20 else []:
                 d = differ[op]
                 lines.append(f"    {op}: collectives {d['collectives'][0]} -> {d['collectives'][1]}, "
-                             f"payload bytes {d['bytes'][0]:,} -> {d['bytes'][1]:,} over {d['runs']} runs")
+                             f"payload bytes {d['bytes'][0]:,} -> {d['bytes'][1]:,} (received "
+                             f"{d['received_bytes'][0]:,} -> {d['received_bytes'][1]:,}) over {d['runs']} runs")
         with_package = by_mode["with"]["ops"]
         for key in ("wrong", "no_strategy", "error", "other"):
             if with_package[key] and (verbose or key == "wrong"):
@@ -760,7 +779,9 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for m, counts in r["shardings_not_run"].items():
             not_run[m].update(counts)
     merged = {}
-    if all("communication_vs_torch" in r for r in results):  # results from before it was measured lack it
+    # results from before communication (or its received bytes) was measured lack it
+    if all("received_bytes" in d for r in results for m in r.get("communication_vs_torch", {"": None})
+           for d in (r["communication_vs_torch"][m]["differ"].values() if m else [{}])):
         merged["communication_vs_torch"] = {
             m: {
                 "differ": {op: d for r in results for op, d in r["communication_vs_torch"][m]["differ"].items()},

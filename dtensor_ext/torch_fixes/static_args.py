@@ -10,6 +10,8 @@ metadata then describes the first call's result:
 - `topk(self, k, dim, ...)`: `static_argnum=2` leaves out `k`; `topk(d, 1, 1)` after `topk(d, 3, 1)` claims 3.
 - `view.dtype(self, dtype)`: nothing is static; `d.view(torch.int16)` after `d.view(torch.float32)` claims the
   float32 shape around int16 pieces with twice the last dim.
+- `multinomial(self, num_samples, replacement, *, generator)`: no schema info, so nothing is static;
+  `multinomial(d, 1)` after `multinomial(d, 3)` claims 3 samples per row around pieces of 1.
 - `_to_copy`, `empty_like`, `zeros_like`, `ones_like`, `full_like`: the key has `dtype` but not `memory_format`;
   `empty_like(d, memory_format=torch.channels_last)` after `empty_like(d)` claims contiguous strides.
 
@@ -48,6 +50,8 @@ _KEYS: dict = {
     aten.histc.default: (_static_from_1, (2,), lambda d: aten.histc.default(d, 2, 0, 1),
                          lambda d: aten.histc.default(d, 1, 0, 1)),
     aten.topk.default: (_static_from_1, (2,), lambda d: aten.topk.default(d, 2), lambda d: aten.topk.default(d, 1)),
+    aten.multinomial.default: (_static_from_1, (2,), lambda d: aten.multinomial.default(d, 2),
+                               lambda d: aten.multinomial.default(d, 1)),
     aten.view.dtype: (_static_from_1, (2,), lambda d: aten.view.dtype(d, torch.float32),
                       lambda d: aten.view.dtype(d, torch.int16)),
     **{
@@ -71,12 +75,13 @@ def _misdescribed(out) -> bool:
 
 @functools.cache
 def _cache_reuses_spec(op) -> bool:
-    """Feature check: `op` on a replicated DTensor of a 2-rank probe mesh, run as rank 0, first called one way and
-    then differing only in the argument the key leaves out, returns a second result whose claimed shape, strides or
-    dtype are not its local piece's (rank 0's piece is the whole tensor)."""
+    """Feature check: `op` on a replicated DTensor of ones on a 2-rank probe mesh, run as rank 0, first called one
+    way and then differing only in the argument the key leaves out, returns a second result whose claimed shape,
+    strides or dtype are not its local piece's (rank 0's piece is the whole tensor). The random number generator's
+    state is restored afterwards (multinomial draws)."""
     _, shape, first, second = _KEYS[op]
-    with _compat.probing_dtensor_ops():
-        d = _compat.probe_dtensor(torch.zeros(shape), (Replicate(),), shape)
+    with _compat.probing_dtensor_ops(), torch.random.fork_rng(devices=[]):
+        d = _compat.probe_dtensor(torch.ones(shape), (Replicate(),), shape)
         first(d)
         return _misdescribed(second(d))
 
@@ -84,8 +89,8 @@ def _cache_reuses_spec(op) -> bool:
 @torch_fix(
     "sharding cache key leaves out a shape argument",
     ops=tuple(_compat.torch_op_names(op)[0] for op in _KEYS),
-    why="a call differing from an earlier one only in that argument (histc's bins, topk's k, view's dtype, "
-        "memory_format) reuses its output spec: the DTensor claims the earlier result's shape, dtype or strides",
+    why="a call differing from an earlier one only in that argument (histc's bins, topk's k, multinomial's "
+        "num_samples, view's dtype, memory_format) reuses its output spec: the DTensor claims the earlier result's shape, dtype or strides",
 )
 def fix_cache_keys():
     faulty = [op for op in _KEYS if _compat.registered_strategy(op) is not None and _cache_reuses_spec(op)]

@@ -189,6 +189,23 @@ def test_end_to_end_batch_sharded_pad_and_complex(installed):
     torch.testing.assert_close(z_full, torch.complex(re, im))
 
 
+def test_polar_of_a_partial_abs_stays_partial_without_a_collective(installed):
+    """polar is linear in abs: a Partial(sum) abs with a replicated angle gives a Partial(sum) result, where the rule
+    without that row all-reduced abs (torch 2.15 alone reaches the Partial layout through the decomposition)."""
+    from dtensor_ext.testing.mesh import place_dtensor
+    from dtensor_ext.tools.comm_stats import CommStatsMode
+
+    r, theta = sample_tensor((10, 5)).abs(), sample_tensor((), seed=1)
+    with simulated_mesh((4,)) as mesh:
+        dr, dtheta = place_dtensor(r, mesh, [Partial("sum")]), place_dtensor(theta, mesh, [Replicate()])
+        with CommStatsMode() as comm:
+            z = torch.polar(dr, dtheta)
+        placements, full = z.placements, z.full_tensor()
+    assert placements == (Partial("sum"),)
+    assert sum(comm.stats.collectives.values()) == 0, comm.stats
+    torch.testing.assert_close(full, torch.polar(r, theta))
+
+
 def test_end_to_end_activation_backward_keeps_shards(installed):
     """Gradients through ELU and GLU of a sequence-sharded activation come back sharded, no all-gather."""
     x = sample_tensor((4, 6, 8))

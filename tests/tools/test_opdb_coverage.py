@@ -300,7 +300,7 @@ def test_communication_against_torch_alone_is_reported_per_op():
                              max_shardings=6))
     comm = result["communication_vs_torch"]
     for mesh in ("1d4", "2x2"):
-        # an op is listed as moving more exactly where the package's runs moved more collectives or bytes
+        # an op is listed as moving more exactly where the package's runs moved more collectives or payload bytes
         for op, measured in comm[mesh]["differ"].items():
             more = measured["collectives"][1] > measured["collectives"][0] or measured["bytes"][1] > measured["bytes"][0]
             assert (op in comm[mesh]["more_than_torch"]) == more, (mesh, op, measured)
@@ -311,15 +311,25 @@ def test_communication_against_torch_alone_is_reported_per_op():
     assert "ops moving more than torch alone (runs correct both ways): 0" in format_report(result)
 
 
+def _opinfo_or_skip(label: str) -> list:
+    """The OpInfo named `label`; skips where this torch has none (2.11 has no linear_cross_entropy)."""
+    from dtensor_ext.tools.opdb_coverage import _selected_opinfos
+
+    infos, _ = _selected_opinfos(Options(ops=[label]))
+    if not infos:
+        pytest.skip(f"this torch has no OpInfo {label}")
+    return infos
+
+
 def _both_ways(label: str, index: int, mesh_name: str, placements) -> dict[str, tuple]:
-    """(outcome, reason, (collectives, payload bytes)) of one OpInfo sample under one input sharding, torch alone
-    and with the package, exactly as the sweep runs it."""
+    """(outcome, reason, (collectives, payload bytes, received bytes)) of one OpInfo sample under one input
+    sharding, torch alone and with the package, exactly as the sweep runs it."""
     from collections import Counter
 
     from dtensor_ext.testing.mesh import rank_coordinates, simulated_mesh
-    from dtensor_ext.tools.opdb_coverage import MESHES, _cases, _run_sharded, _selected_opinfos, _set_package
+    from dtensor_ext.tools.opdb_coverage import MESHES, _cases, _run_sharded, _set_package
 
-    (info,), _ = _selected_opinfos(Options(ops=[label]))
+    (info,) = _opinfo_or_skip(label)
     (case,) = [c for c in _cases(info, Options(max_samples=index + 1), Counter()) if c.index == index]
     ran = {}
     try:
@@ -346,6 +356,8 @@ _ONCE_WORSE = [
     ("nn.functional.pixel_shuffle", 1, "2x2", [(Shard(0), Shard(3))]),
     ("nn.functional.pixel_shuffle", 0, "1d4", [(Shard(1),)]),
     ("nn.functional.pixel_unshuffle", 0, "1d4", [(Shard(2),)]),
+    ("polar", 1, "1d4", [(P,), (R,)]),  # polar is linear in abs: Partial abs, replicated angle
+    ("polar", 3, "2x2", [(Shard(1), P), (R, R)]),
 ]
 
 
@@ -353,9 +365,29 @@ _ONCE_WORSE = [
                          ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in _ONCE_WORSE])
 def test_ops_once_worse_move_no_more_than_torch_alone(label, index, mesh_name, placements):
     ran = _both_ways(label, index, mesh_name, placements)
+    if ran["without"][0] == "no_strategy":  # 2.11 alone has no polar strategy: nothing to compare against
+        pytest.skip(f"torch alone has no strategy for {label} here")
     assert ran["without"][0] == ran["with"][0] == "correct", ran
-    (c0, b0), (c1, b1) = ran["without"][2], ran["with"][2]
+    (c0, b0, _), (c1, b1, _) = ran["without"][2], ran["with"][2]
     assert c1 <= c0 and b1 <= b0, ran
+
+
+def test_received_bytes_are_reported_beside_the_payload_and_not_judged():
+    """Payload and received bytes can disagree: polar's 1d4 sample 2 on torch 2.13 before its Partial row, a
+    Partial angle of 5 elements on 4 ranks all-reduced by torch alone (20 payload bytes, 30 received) and
+    reduce-scattered by the package, padded to 8 elements (32 and 24), each after the same 20-byte all-gather (60
+    received). Both are reported; the verdict reads collectives and payload, so more handed in is listed."""
+    from dtensor_ext.tools.opdb_coverage import _communication_vs_torch, _OpRecord
+
+    by_mode = {mode: {"polar": _OpRecord()} for mode in ("without", "with")}
+    for mode, moved in (("without", (2, 40, 90)), ("with", (2, 52, 84))):
+        by_mode[mode]["polar"].add("correct")
+        by_mode[mode]["polar"].communication[2, "[(S(1)), (P)]"] = moved
+    comm = _communication_vs_torch(["1d4"], {"polar": []}, {"1d4": by_mode})["1d4"]
+    assert comm["differ"]["polar"] == {"runs": 1, "collectives": [2, 2], "bytes": [40, 52], "received_bytes": [90, 84]}
+    assert comm["more_than_torch"] == ["polar"]
+    ran = _both_ways("polar", 2, "1d4", [(Shard(1),), (P,)])
+    assert ran["with"] == ("correct", None, (2, 52, 84)), ran  # what the sweep measures for that run
 
 
 def test_a_malformed_output_piece_is_wrong_even_where_full_tensor_looks_right():
@@ -411,6 +443,28 @@ def test_torch_alone_is_wrong_where_shards_carry_unequal_target_weight(label, in
     """The sweep's extra samples make torch alone's mean-loss defect visible (so these ops leave "torch alone
     computes right"); the package's gather gives the right loss."""
     ran = _both_ways(label, index, mesh_name, placements)
+    assert ran["with"][0] == "correct", ran
+    assert (ran["without"][0] == "wrong") == _torch_alone_averages_shard_losses(), ran
+
+
+@pytest.mark.parametrize("mesh_name", ["1d4", "2x2"])
+def test_an_extra_samples_batch_split_is_always_run(mesh_name):
+    """The sharding cap draws 4 of linear_cross_entropy.chunked's extra sample's 32 shardings on 1d4 and none splits
+    the batch; the batch split is run as well, and torch alone is WRONG there (where it averages shard losses)."""
+    from collections import Counter
+
+    from dtensor_ext.tools.opdb_coverage import EXTRA_SAMPLE_INDEX, MESHES, _cases, _shardings
+
+    label = "nn.functional.linear_cross_entropy.chunked"
+    (info,) = _opinfo_or_skip(label)
+    (case,) = [c for c in _cases(info, Options(max_samples=1), Counter()) if c.index == EXTRA_SAMPLE_INDEX]
+    ndim = len(MESHES[mesh_name])
+    skipped: Counter = Counter()
+    picked = _shardings(case, mesh_name, ndim, 4, skipped)
+    split = ((Shard(0),) * ndim, (R,) * ndim, (R,) * ndim)
+    assert split in picked and len(picked) in (4, 5)
+    assert skipped["sharding cap"] == (4 ** ndim) ** 2 * 2 ** ndim - len(picked)
+    ran = _both_ways(label, EXTRA_SAMPLE_INDEX, mesh_name, list(split))
     assert ran["with"][0] == "correct", ran
     assert (ran["without"][0] == "wrong") == _torch_alone_averages_shard_losses(), ran
 

@@ -1,6 +1,7 @@
-"""torch's even-only single-dim rules for upsampling, grid sampling, max-unpooling, constant_pad_nd and roll: their
-rows are exact on uneven shards (proven here with torch's own rule functions), so an uneven batch stays sharded with
-no collective; layouts that would give a rank an empty channel the kernel rejects are still avoided."""
+"""torch's even-only single-dim rules for upsampling, grid sampling, max-unpooling, pooling backwards,
+constant_pad_nd and roll: their rows are exact on uneven shards (proven here with torch's own rule functions), so an
+uneven batch stays sharded with no collective; layouts that would give a rank an empty channel the kernel rejects
+are still avoided. Pooling's op_strategy (2.12/2.13) gets the same rows as an uneven single-dim rule."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import dtensor_ext
 from dtensor_ext import _compat
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 from dtensor_ext.testing.checker import sample_tensor
-from dtensor_ext.torch_fixes.uneven_rules import UNEVEN_EXACT, _nothing_guarded
+from dtensor_ext.torch_fixes.uneven_rules import POOLS, UNEVEN_EXACT, _nothing_guarded, pooling_rule
 from tests.rules.proof import PROVING_MESHES, assert_proven, assert_torch_validator_agrees
 from tests.torch_fixes.sharded_runs import layouts
 
@@ -34,7 +35,10 @@ def _samples(batch: int, channels: int, spatial: int) -> dict:
     grid2 = sample_tensor((batch, 3, 2, 2), seed=1).tanh()
     grid3 = sample_tensor((batch, 2, 3, 2, 3), seed=1).tanh()
     out = [spatial + 1]
+    pooled2, where2 = F.max_pool2d(x2, 1, return_indices=True)  # a 1x1 window: any spatial size
     return {
+        aten.max_pool2d_with_indices_backward.default: [pooled2, x2, [1, 1], [1, 1], [0, 0], [1, 1], False, where2],
+        aten._adaptive_avg_pool2d_backward.default: [F.adaptive_avg_pool2d(x2, 1), x2],
         aten.upsample_nearest1d.default: [x1, out, None],
         aten._upsample_nearest_exact1d.default: [x1, out, None],
         aten.upsample_linear1d.default: [x1, out, False, None],
@@ -151,8 +155,65 @@ _SAME_LAYOUT = {aten.max_unpool2d.default, aten.max_unpool3d.default}
 
 
 @pytest.mark.parametrize("opinfo", ["nn.functional.interpolate", "nn.functional.grid_sample", "roll",
-                                    "constant_pad_nd"])
+                                    "constant_pad_nd", "nn.functional.avg_pool2d", "nn.functional.max_pool2d",
+                                    "nn.functional.adaptive_avg_pool2d"])
 def test_torch_validator_agrees(opinfo):
     if not _compat.has_strategy_validator():
         pytest.skip("this torch has no strategy validator (strategy_validation.compare_operator, torch 2.12+)")
     assert_torch_validator_agrees(opinfo, exercised=False)
+
+
+def _pool_args(op, batch: int, channels: int, spatial: int) -> list:
+    """op -> args on a [batch, channels, *[spatial] * k] input: a window (or output size) of 2, never wider than the
+    input."""
+    k, _ = POOLS[op]
+    return [sample_tensor((batch, channels, *[spatial] * k)), [min(2, spatial)] * k]
+
+
+@PROVING_MESHES
+@pytest.mark.parametrize("op", list(POOLS), ids=str)
+@given(batch=st.integers(1, 5), spatial=st.integers(1, 3))
+def test_pooling_rule_rows_exact_on_uneven_shards(mesh_shape, op, batch, spatial):
+    """Every row of the fix's pooling rule reassembles to one device on uneven and empty batch shards; the channels
+    are wide enough that no rank's kernel sees an empty one (those layouts are filtered)."""
+    assert_proven(op, _pool_args(op, batch, WIDE, spatial), rule=pooling_rule, mesh_shape=mesh_shape)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
+@pytest.mark.parametrize("op", list(POOLS), ids=str)
+def test_every_layout_of_a_pooled_input_is_right(mesh_shape, op):
+    """A batch of 3 and 5 channels (uneven, empty shards on 4 ranks) under every input layout: the result equals
+    one device, with or without the fix."""
+    args = _pool_args(op, 3, 5, 2)
+    if _compat.torch_strategy_kind(op) not in _compat.DIRECT_STRATEGY_KINDS:  # 2.11: no pooling strategy
+        pytest.skip(f"{op} has no sharding strategy on this torch")
+    expected = op(*args)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    with simulated_mesh(mesh_shape) as mesh:
+        for placements in layouts(args[0], len(mesh_shape)):
+            out = op(place_dtensor(args[0], mesh, list(placements)), *args[1:])
+            out = out[0] if isinstance(out, tuple) else out
+            assert all(torch.allclose(v, expected, atol=1e-5) for v in local_values(out.full_tensor()).values()), (
+                op, placements)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2x2"])
+def test_local_response_norm_of_one_sample_stays_sharded(fix_state, fixed_ops, mesh_shape):
+    """F.local_response_norm pads a batch of 1 split over every rank (1, 0, 0, 0) and average-pools it: with the
+    fix no collective runs and the result stays split; torch 2.13's pooling strategy gathers the padded tensor
+    (2.15's pad and pooling rules keep the split by themselves)."""
+    x = sample_tensor((1, 6, 3))
+    if _compat.torch_strategy_kind(aten.avg_pool2d.default) not in _compat.DIRECT_STRATEGY_KINDS:
+        pytest.skip("this torch has no strategy for avg_pool2d")
+    with simulated_mesh(mesh_shape) as mesh:
+        d = place_dtensor(x, mesh, [Shard(0)] * len(mesh_shape))
+        with CommDebugMode() as comms:
+            out = F.local_response_norm(d, 2)
+        got = local_values(out.full_tensor())
+    assert all(torch.allclose(v, F.local_response_norm(x, 2), atol=1e-6) for v in got.values())
+    fixed_here = fixed_ops["even-only rules exact on uneven shards"]
+    torch_gathers = {"aten::avg_pool2d.default", "aten::constant_pad_nd.default"} & fixed_here  # 2.15: neither
+    if fix_state == "fixed" or not torch_gathers:
+        assert (out.placements, comms.get_total_counts()) == ((Shard(0),) * len(mesh_shape), 0)
+    else:
+        assert comms.get_total_counts() > 0
