@@ -22,7 +22,7 @@ once; the candidates cache is cleared before each plan). --layers sets the depth
 are solved once unless --each-layer.
 
     PYTHONPATH=. python benchmarks/policy_quality.py [--models llama qwen2 mixtral gemma2] [--meshes 4 2x2]
-        [--layers 8] [--each-layer]
+        [--layers 8] [--each-layer] [--gap 0.02]
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _values(t):
 
 
 def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float | int | None = None,
-            share_layers: bool = True) -> dict:
+            share_layers: bool = True, optimality_gap: float = 1e-4) -> dict:
     """One plan measured. `budget`: bytes per rank (an int), a fraction of the replicated parameter state (a
     float), or None."""
     reference, model = tiny(name), tiny(name)
@@ -165,10 +165,11 @@ def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float 
                 state = STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
                 cap = int(budget * state) if isinstance(budget, float) else budget
                 plan = build_plan(model, mesh, (ids,), constraints=YAML if variant == "yaml" else None,
-                                  memory_budget=cap, share_layers=share_layers)
+                                  memory_budget=cap, share_layers=share_layers, optimality_gap=optimality_gap)
             except PolicyError as exc:
                 return {**row, "refused": str(exc)[:200]}
             parallelize(model, mesh, (ids,), plan=plan)
+            row["gap"] = plan.gap
         row["plan_s"] = time.perf_counter() - start
         loss, stats, saved, params = step(model, run_ids, run_labels, count, dp_mesh)
         if dp_mesh is not None:  # each dp rank holds its share of the loss
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=SIZES["num_hidden_layers"], help="decoder layers")
     parser.add_argument("--each-layer", action="store_true", help="solve every layer on its own "
                                                                   "(share_layers=False)")
+    parser.add_argument("--gap", type=float, default=1e-4, help="build_plan's optimality_gap")
     args = parser.parse_args()
     SIZES["num_hidden_layers"] = args.layers
     print(f"{'model':8} {'mesh':4} {'plan':6} {'plan s':>7} {'bytes/rank':>10} {'params B':>9} {'saved B':>9} "
@@ -202,13 +204,13 @@ def main() -> None:
                 print(f"{name:8} {mesh:4} budget {budget} B per rank (what the hand plan holds)", flush=True)
             for variant in args.plans:
                 r = hand if variant == "hand" and args.budget == "hand" else measure(
-                    name, shape, variant, budget, share_layers=not args.each_layer)
+                    name, shape, variant, budget, share_layers=not args.each_layer, optimality_gap=args.gap)
                 if "refused" in r:
                     print(f"{name:8} {mesh:4} {variant:6} refused: {r['refused']}", flush=True)
                     continue
                 counts = ", ".join(f"{k} {v}" for k, v in sorted(r["collectives"].items()))
                 print(f"{name:8} {mesh:4} {variant:6} {r['plan_s']:7.1f} {r['bytes']:10d} {r['params']:9d} "
-                      f"{r['saved']:9d} {r['error']:8.1e}  {counts}", flush=True)
+                      f"{r['saved']:9d} {r['error']:8.1e}  {counts}; optimality gap {r.get('gap', 0.0):.2%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from dtensor_ext.policy.graph_view import GraphView, OpNode, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
 from dtensor_ext.policy.repeats import repeated_rows, shared_layers
-from dtensor_ext.policy.solve import Problem, solve
+from dtensor_ext.policy.solve import EXACT, Problem, solve
 from dtensor_ext.redistribute.cost import IdealCostModel
 
 __all__ = ["Plan", "PolicyConfig", "build_plan", "parallelize"]
@@ -104,6 +104,8 @@ class Plan:
     planning_s: float = 0.0
     # repeated layer -> the layer whose choices it runs (share_layers; ops whose candidates differ keep their own)
     shared_layers: dict[str, str] = field(default_factory=dict)
+    # the last solve's proven gap: no plan's modelled cost is below cost_s * (1 - gap) (build_plan's optimality_gap)
+    gap: float = 0.0
     deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
     # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
     styles: dict | None = None
@@ -122,7 +124,8 @@ class Plan:
         steps += [step for taken in returned.values() for step in taken]
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
-                 f"modelled {self.cost_s * 1e6:.1f} us per step, planned in {self.planning_s:.2f} s"
+                 f"modelled {self.cost_s * 1e6:.1f} us per step (optimality gap {self.gap:.2%}), "
+                 f"planned in {self.planning_s:.2f} s"
                  f"{''.join(f'; {n} repeated layers run the choices of {leader}' for leader, n in followers.items())}",
                  f"  forward redistributions: {len(steps)} collectives, "
                  f"{sum(max(s.recv_bytes) for s in steps):,} B received per rank (the busiest)"]
@@ -267,6 +270,7 @@ def build_plan(
     cost_model=None,
     memory_budget: int | None = None,
     share_layers: bool = True,
+    optimality_gap: float = EXACT,
     warn_unused: bool = False,
 ) -> Plan:
     """Trace ``model(*example_inputs)``, filter DTensor's candidates by YAML constraints (a path, YAML text or
@@ -276,7 +280,10 @@ def build_plan(
     default; a CalibratedCostModel from an autotune file). ``memory_budget``: bytes a rank may hold in parameters,
     their gradients and Adam's two moments (4 copies of its parameter shards) and in the activations autograd
     saves for backward. ``share_layers``: each repeated layer (``model.layers.N``) runs the first layer's choices,
-    so the solve holds one layer whatever the depth (False: every layer is solved on its own)."""
+    so the solve holds one layer whatever the depth (False: every layer is solved on its own).
+    ``optimality_gap``: the solve stops once HiGHS proves that no plan is cheaper than its plan's modelled cost by
+    more than this fraction of it (0.01% by default; e.g. 0.02 where closing the last percent takes minutes); the
+    plan reports the gap it reached."""
     if constraints is not None and policy is not None:
         raise PolicyError("build_plan", "constraints/policy", "both",
                           "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
@@ -301,15 +308,18 @@ def build_plan(
         raise PolicyError("build_plan", "memory_budget", memory_budget, "a positive number of bytes per rank")
     if not isinstance(share_layers, bool):
         raise PolicyError("build_plan", "share_layers", share_layers, "True or False")
-    ops, params, cost, shared = _derive(graph, mesh, requirements, cost_model or IdealCostModel(), memory_budget,
-                                        share_layers)
+    if isinstance(optimality_gap, bool) or not isinstance(optimality_gap, (int, float)) or not (
+            0 <= optimality_gap < 1):
+        raise PolicyError("build_plan", "optimality_gap", optimality_gap, "a fraction in [0, 1), e.g. 0.02")
+    ops, params, cost, shared, gap = _derive(graph, mesh, requirements, cost_model or IdealCostModel(),
+                                             memory_budget, share_layers, float(optimality_gap))
     if all(_replicated(p) for p in params.values()) and all(
             _replicated(p) for op in ops for p in (*op.inputs, *op.outputs)):
         raise PolicyError("build_plan", "<plan>", "every op and parameter replicated",
                           "a plan that partitions something: the constraints and the cost model keep the whole "
                           "model replicated (nothing to parallelize)")
     return Plan(mesh, graph, ops, params, regions, stages, hooks, cost, time.perf_counter() - start,
-                shared_layers=shared)
+                shared_layers=shared, gap=gap)
 
 
 def _trace_outside_simulation(model, example_inputs) -> GraphView:
@@ -443,7 +453,7 @@ STATE_COPIES = 4
 
 
 def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model,
-            memory_budget: int | None = None, share_layers: bool = True):
+            memory_budget: int | None = None, share_layers: bool = True, optimality_gap: float = EXACT):
     """Each op's candidates on the whole mesh (combinations of its per-dim candidates, filtered by the
     constraints), one exact solve over all of them (every mesh dim at once), then the per-op placements.
 
@@ -475,7 +485,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
         while True:
             problem, source_rows = _problem(graph, mesh, candidates, [w for _, w, _ in found], sources, producers,
                                             model, moves, memory_budget, share_layers)
-            picks, cost = solve(problem, "build_plan")
+            picks, cost, gap = solve(problem, "build_plan", optimality_gap)
             pending = [node for node in graph.nodes if not candidates[node.index][picks[node.index]].proven]
             changed = False
             for node in pending:
@@ -514,7 +524,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                 op.moves.append(f"input {slot} ({what}, {list(graph.tensors[tid].shape)}): "
                                 f"{_fmt(here)} -> {_fmt(op.inputs[slot])}")
         ops.append(op)
-    return ops, params, cost, shared_layers(graph, problem.same_as)
+    return ops, params, cost, shared_layers(graph, problem.same_as), gap
 
 
 def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate]], work: list[NodeOptions],
@@ -722,6 +732,7 @@ def parallelize(
     cost_model=None,
     memory_budget: int | None = None,
     share_layers: bool = True,
+    optimality_gap: float = EXACT,
     warn_unused: bool = False,
     plan: Plan | None = None,
     styles: bool = True,
@@ -736,7 +747,7 @@ def parallelize(
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
                           cost_model=cost_model, memory_budget=memory_budget, share_layers=share_layers,
-                          warn_unused=warn_unused)
+                          optimality_gap=optimality_gap, warn_unused=warn_unused)
     plan.styles = proven_styles(plan) if styles else {}
     apply_styles(model, plan, plan.styles)
     PlanExecutor(plan).install(model)

@@ -116,10 +116,10 @@ def test_proofs_that_match_their_prediction_cost_no_second_solve(monkeypatch, ca
 
     solves = []
 
-    def counted(problem, where):
-        picks, cost = real(problem, where)
+    def counted(problem, where, *gap):
+        picks, cost, reached = real(problem, where, *gap)
         solves.append((picks, cost))
-        return picks, cost
+        return picks, cost, reached
 
     real = adapter.solve
     monkeypatch.setattr(adapter, "solve", counted)

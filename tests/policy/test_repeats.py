@@ -4,10 +4,11 @@ layer's moves and memory are still priced, and the plan applied equals one devic
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
-from dtensor_ext.policy import OpPartition, OpPlan, build_plan, parallelize
+from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, build_plan, parallelize
 from dtensor_ext.policy import adapter, derive
 from dtensor_ext.policy.adapter import STATE_COPIES
 from dtensor_ext.testing import simulated_mesh
@@ -48,9 +49,9 @@ def _plan(model, x, mesh, monkeypatch, **kwargs):
     """The plan and the problems the solver was given."""
     problems = []
 
-    def recorded(problem, where):
+    def recorded(problem, where, *gap):
         problems.append(problem)
-        return real(problem, where)
+        return real(problem, where, *gap)
 
     real = adapter.solve
     monkeypatch.setattr(adapter, "solve", recorded)
@@ -121,3 +122,20 @@ def test_layers_follow_their_own_kind_and_a_constrained_op_stays_free(monkeypatc
     assert plan.ops[constrained].inputs[1][0].is_shard(0)
     for row, leader in zip(_layer_rows(plan, 2), _layer_rows(plan, 1)):
         assert problem.same_as.get(row) == (None if row == constrained else leader)
+
+
+def test_a_looser_optimality_gap_is_kept_and_reported(monkeypatch):
+    """`optimality_gap` bounds how far the plan's modelled cost may stay above the best possible (no plan is
+    cheaper than cost x (1 - gap)); the plan says the gap HiGHS proved. Bad values are refused with the field
+    named."""
+    x = torch.randn(8, 16)
+    with simulated_mesh((2,)) as mesh:
+        exact, _ = _plan(Stack(4), x, mesh, monkeypatch)
+        loose, _ = _plan(Stack(4), x, mesh, monkeypatch, optimality_gap=0.5)
+        for bad in (-0.1, 1.0, "2%", True):
+            with pytest.raises(PolicyError, match=r"^build_plan: field 'optimality_gap' got .*; expected a fraction"):
+                build_plan(Stack(4), mesh, (x,), optimality_gap=bad)
+    assert exact.gap <= 1e-4 and 0 <= loose.gap <= 0.5
+    assert exact.cost_s * (1 - 1e-4) <= loose.cost_s * (1 + 1e-9)
+    assert loose.cost_s * (1 - loose.gap) <= exact.cost_s * (1 + 1e-4)
+    assert f"(optimality gap {loose.gap:.2%})" in str(loose).splitlines()[0]
