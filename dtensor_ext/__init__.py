@@ -60,6 +60,8 @@ def _with_planner(install_rules, uninstall_rules):
         if engine is not None:
             engine.disable()
         uninstall_rules()
+        if engine is not None:  # the planner enabled before the torch fixes (DTENSOR_EXT_PLANNER=1) comes off last
+            engine.disable()
 
     install.__wrapped__, uninstall.__wrapped__ = install_rules, uninstall_rules
     return install, uninstall

@@ -27,7 +27,8 @@ from dtensor_ext.redistribute.steps import StepBuilder
 
 __all__ = ["enable", "disable", "is_enabled", "torch_redistribution"]
 
-_replaced: dict[str, object] = {}  # module name -> the function it called before enable()
+_wrappers: dict[str, object] = {}  # module name -> the engine's function installed there (`.replaced`: what it wraps)
+_switch = {"on": False}
 _options: dict = {}
 # (source spec, target spec, simulated ranks) -> (mesh, the Program that runs the move or None where torch runs it)
 _decisions: dict = {}
@@ -37,25 +38,33 @@ def enable(**plan_options) -> None:
     """Route DTensor's redistribution through the planner (`plan_options` as for `plan`, plus `calibration`: an
     autotune calibration file, default $DTENSOR_EXT_CALIBRATION). The objective defaults to bytes (ties broken by
     modelled time): the time model's latency terms can trade bytes for fewer messages on small tensors, which is
-    not what a user turning the planner on asks for."""
-    disable()
+    not what a user turning the planner on asks for. A wrapper still in place (under a torch fix's) is switched back
+    on, not wrapped again."""
     _options.clear()
     _decisions.clear()
     _options.update({"objective": "bytes", **plan_options})
-    for module_name, previous in _compat.redistribute_local_tensor_functions().items():
-        _replaced[module_name] = previous
-        _compat.set_redistribute_local_tensor(module_name, _planned(previous))
+    _switch["on"] = True
+    for module_name, current in _compat.redistribute_local_tensor_functions().items():
+        if module_name not in _wrappers:
+            _wrappers[module_name] = _planned(current)
+            _compat.set_redistribute_local_tensor(module_name, _wrappers[module_name])
 
 
 def disable() -> None:
-    """Put back the functions enable() replaced."""
-    for module_name, previous in _replaced.items():
-        _compat.set_redistribute_local_tensor(module_name, previous)
-    _replaced.clear()
+    """Torch's redistribution again. A wrapper DTensor calls directly is replaced by the function it wrapped; one
+    that a torch fix applied later has wrapped in turn (DTENSOR_EXT_PLANNER=1 enables the engine at import, before
+    the fixes) stays, passing every call through, until the fix is undone and a later disable() can take it off:
+    putting torch's function back there would drop the fix."""
+    _switch["on"] = False
+    functions = _compat.redistribute_local_tensor_functions()
+    for module_name, wrapper in list(_wrappers.items()):
+        if functions.get(module_name) is wrapper:
+            _compat.set_redistribute_local_tensor(module_name, wrapper.replaced)
+            del _wrappers[module_name]
 
 
 def is_enabled() -> bool:
-    return bool(_replaced)
+    return _switch["on"]
 
 
 @contextlib.contextmanager
@@ -74,6 +83,8 @@ def _planned(previous):
     # wraps: probes that read the replaced function (its source, its name) still see torch's
     @functools.wraps(previous)
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
+        if not _switch["on"]:
+            return previous(local_tensor, current_spec, target_spec, **kwargs)
         key = (current_spec, target_spec, enabled_local_tensor_mode() is not None)
         try:
             decided = _decisions.get(key)

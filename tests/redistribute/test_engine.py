@@ -101,6 +101,38 @@ def test_install_routes_explicit_redistribute_full_tensor_and_dispatch_and_unins
         dtensor_ext.install()  # as importing the package left it
 
 
+def _layers() -> dict:
+    """Per module, the function DTensor calls: ('engine', what it wraps) for the engine's, else the function."""
+    return {name: ("engine", f.replaced) if hasattr(f, "replaced") else f
+            for name, f in _compat.redistribute_local_tensor_functions().items()}
+
+
+def test_the_planner_enabled_before_the_torch_fixes_keeps_them_and_comes_off_after_them():
+    """DTENSOR_EXT_PLANNER=1 enables the engine at import, before the torch fixes wrap DTensor's redistribution at
+    first use. Enabling it again (install(planner=True)) or comparing with torch (torch_redistribution) must keep
+    the fixes' wrappers (restoring torch's function under them dropped the fixes), and uninstall() must leave
+    torch's own functions (undoing the engine first left its wrapper behind)."""
+    dtensor_ext.uninstall()
+    torch_own = _compat.redistribute_local_tensor_functions()
+    try:
+        engine.enable()
+        dtensor_ext.install()  # the torch fixes, now on top of the engine
+        stacked = _layers()
+        if all(isinstance(f, tuple) for f in stacked.values()):
+            pytest.skip("no torch fix wraps DTensor's redistribution on this torch")
+        dtensor_ext.install(planner=True)
+        assert engine.is_enabled() and _layers() == stacked
+        with engine.torch_redistribution():  # the engine's outer wrappers come off; under a fix it passes through
+            assert not engine.is_enabled()
+            assert _layers() == {name: f[1] if isinstance(f, tuple) else f for name, f in stacked.items()}
+        assert engine.is_enabled() and _layers() == stacked
+        dtensor_ext.uninstall()
+        assert not engine.is_enabled() and _compat.redistribute_local_tensor_functions() == torch_own
+    finally:
+        engine.disable()
+        dtensor_ext.install()  # as importing the package left it
+
+
 def test_sub_mesh_step_runs_on_that_mesh_dims_group_not_the_world():
     t = torch.randn(6, 4)
     engine.enable()
