@@ -68,9 +68,11 @@ def test_squeeze_in_place_gives_the_squeezed_shape_for_every_layout_when_fixed(m
 @needs_strategy[aten.squeeze_.dim]
 @MESHES
 def test_squeeze_cases_torch_got_right_keep_their_placements_and_collectives(mesh_shape):
-    """Where the squeezed dim moves a shard's index (Shard(2) of [4, 1, 5] -> Shard(1)), torch was right."""
+    """Where the squeezed dim moves a shard's index (Shard(2) of [4, 1, 5] -> Shard(1)), torch was right. (With
+    the planner on, torch alone's Partial results, which still claim [4, 1, 5] around [4, 5] pieces, read back
+    wrong; the fixed ones are right: the fix may add cases, never change one torch got right.)"""
     torch.manual_seed(0)
     torch_results, fixed_results = correct_runs_without_and_with_fixes(
         lambda d: d.clone().squeeze_(1), torch.randn(4, 1, 5), mesh_shape)
     assert len(torch_results) >= 3
-    assert fixed_results == torch_results
+    assert {layout: fixed_results.get(layout) for layout in torch_results} == torch_results
