@@ -6,6 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dtensor_ext._compat import LocalTensor
+from dtensor_ext.policy import parallelize
 from dtensor_ext.testing.mesh import local_values
 
 
@@ -26,3 +27,16 @@ def assert_every_rank_matches(actual, expected, atol=1e-5, rtol=1e-4):
 @torch.no_grad()
 def max_error(actual, expected) -> float:
     return max(float((v - expected).abs().max()) for v in rank_values(actual))
+
+
+def assert_applied_plan_matches(model, reference, mesh, x, plan):
+    """`plan` applied to `model`: the output and every parameter's gradient of a squared-sum loss equal
+    `reference`'s on one device, on every rank."""
+    expected = reference(x)
+    expected.square().sum().backward()
+    parallelize(model, mesh, (x,), plan=plan)
+    out = model(x)
+    assert_every_rank_matches(out, expected)
+    out.square().sum().backward()
+    for name, p in model.named_parameters():
+        assert_every_rank_matches(p.grad.full_tensor(), dict(reference.named_parameters())[name].grad)

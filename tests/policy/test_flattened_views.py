@@ -10,11 +10,11 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from dtensor_ext.policy import build_plan, parallelize
+from dtensor_ext.policy import build_plan
 from dtensor_ext.policy.derive import Candidate, CandidateCache, prove_combinations
 from dtensor_ext.policy.graph_view import trace_graph
 from dtensor_ext.testing import simulated_mesh
-from tests.policy.checks import assert_every_rank_matches
+from tests.policy.checks import assert_applied_plan_matches, assert_every_rank_matches
 from tests.policy.test_joint_solve import EagerAttention, _assert_every_choice_proven
 
 BATCH_HEADS = (Shard(0), Shard(1))  # batch on dp, heads on tp
@@ -118,14 +118,7 @@ def test_eager_attention_on_2x2_runs_the_hand_plans_layout_and_equals_one_device
         matmuls = [op for op in plan.ops if op.node.signature == "torch.matmul"]
         assert len(matmuls) == 2 and all(op.inputs == (BATCH_HEADS, BATCH_HEADS) for op in matmuls)
         assert all(op.outputs == (BATCH_HEADS,) for op in matmuls)
-        expected = reference(x)
-        expected.square().sum().backward()
-        parallelize(model, mesh, (x,), plan=plan)
-        out = model(x)
-        assert_every_rank_matches(out, expected)
-        out.square().sum().backward()
-        for name, p in model.named_parameters():
-            assert_every_rank_matches(p.grad.full_tensor(), dict(reference.named_parameters())[name].grad)
+        assert_applied_plan_matches(model, reference, mesh, x, plan)
 
 
 def test_dtensors_redistribution_plans_are_made_once_across_proofs(monkeypatch):

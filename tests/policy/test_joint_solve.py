@@ -8,12 +8,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
-from dtensor_ext.policy import PolicyError, build_plan, parallelize
+from dtensor_ext.policy import PolicyError, build_plan
 from dtensor_ext.policy.adapter import STATE_COPIES, _differentiated
 from dtensor_ext.policy.derive import Candidate, CandidateCache, prove_combinations
 from dtensor_ext.policy.graph_view import trace_graph
 from dtensor_ext.testing import simulated_mesh
-from tests.policy.checks import assert_every_rank_matches
+from tests.policy.checks import assert_applied_plan_matches
 
 
 class EagerAttention(nn.Module):
@@ -74,14 +74,7 @@ def test_eager_attention_on_2x2_under_a_budget_plans_or_refuses(fraction, plans)
         _assert_every_choice_proven(plan, mesh)
         matmuls = [op for op in plan.ops if op.node.signature == "torch.matmul"]
         assert matmuls and all(op.inputs[0] == (Shard(1), Shard(1)) for op in matmuls)
-        expected = reference(x)
-        expected.square().sum().backward()
-        parallelize(model, mesh, (x,), plan=plan)
-        out = model(x)
-        assert_every_rank_matches(out, expected)
-        out.square().sum().backward()
-        for name, p in model.named_parameters():
-            assert_every_rank_matches(p.grad.full_tensor(), dict(reference.named_parameters())[name].grad)
+        assert_applied_plan_matches(model, reference, mesh, x, plan)
 
 
 def test_a_combination_each_dim_runs_is_proven_on_the_whole_mesh_before_use():
