@@ -279,8 +279,9 @@ def build_plan(
     unless ``warn_unused``. ``cost_model``: the redistribution cost model (the package's IdealCostModel by
     default; a CalibratedCostModel from an autotune file). ``memory_budget``: bytes a rank may hold in parameters,
     their gradients and Adam's two moments (4 copies of its parameter shards) and in the activations autograd
-    saves for backward. ``share_layers``: each repeated layer (``model.layers.N``) runs the first layer's choices,
-    so the solve holds one layer whatever the depth (False: every layer is solved on its own).
+    saves for backward. ``share_layers``: the repeated layers (``model.layers.N``) between the first and the last of
+    their kind run the second layer's choices, so the solve holds three layers whatever the depth (False: every
+    layer is solved on its own).
     ``optimality_gap``: the solve stops once HiGHS proves that no plan is cheaper than its plan's modelled cost by
     more than this fraction of it (0.01% by default; e.g. 0.02 where closing the last percent takes minutes); the
     plan reports the gap it reached."""
@@ -532,8 +533,8 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
              share_layers: bool):
     """The HiGHS model: a row of options per op (its candidates), per source (a parameter's placements; inputs
     replicated) and for the outputs (replicated); the dataflow edges with their N-D move prices; a gradient
-    reduction per value and mesh dim; the memory budget over what each choice holds; repeated layers tied to the
-    first of their kind (``share_layers``)."""
+    reduction per value and mesh dim; the memory budget over what each choice holds; the middle repeated layers
+    tied to the second of their kind (``share_layers``)."""
     options, held = [], {}
     for node in graph.nodes:
         kept = candidates[node.index]

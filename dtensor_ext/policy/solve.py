@@ -7,9 +7,10 @@ whose column sums equal the consumer's choice of input placement q (with the gra
 y[p, q] costs the redistribution p -> q in forward plus the gradient's way back. With x integral the blocks are
 exact, so the optimum is the cheapest plan among DTensor's own candidates: no relaxation, no heuristic.
 
-Rows tied by `same_as` (a repeated layer's op and its match in the first layer) share their columns: their costs
-and held bytes add up on the shared columns, and edges that join the same pair of shared rows share one transport
-block (with the choices equal, both blocks would carry the same move), so the model's size is that of one layer.
+Rows tied by `same_as` (an op of a middle repeated layer and its match in the second layer) share their columns:
+their costs and held bytes add up on the shared columns, and edges that join the same pair of shared rows share one
+transport block (with the choices equal, both blocks would carry the same move), so each tied layer adds nothing to
+the model's size.
 """
 
 from __future__ import annotations
@@ -110,19 +111,17 @@ def solve(problem: Problem, where: str, optimality_gap: float = EXACT) -> tuple[
                     prices[p, (q, g, nbytes)] = cost
         key = (problem.same_as.get(u, u), slot_out, problem.same_as.get(v, v), slot_in)
         block = shared_blocks.get(key)
-        if block is not None and block.keys() == prices.keys():
-            for pair, cost in prices.items():
-                costs[block[pair]] += cost
-                if pair[1][2] and pair[0] != pair[1][0]:
-                    copied[block[pair]] += pair[1][2]
+        shared = block is not None and block.keys() == prices.keys()
+        if not shared:
+            block = {pair: len(costs) + i for i, pair in enumerate(prices)}
+            costs += [0.0] * len(block)
+            shared_blocks.setdefault(key, block)
+        for (p, (q, g, nbytes)), cost in prices.items():
+            costs[block[p, (q, g, nbytes)]] += cost
+            if nbytes and p != q:
+                copied[block[p, (q, g, nbytes)]] = copied.get(block[p, (q, g, nbytes)], 0.0) + nbytes
+        if shared:
             continue
-        block = {}
-        for pair, cost in prices.items():
-            block[pair] = len(costs)
-            if pair[1][2] and pair[0] != pair[1][0]:
-                copied[len(costs)] = pair[1][2]
-            costs.append(cost)
-        shared_blocks.setdefault(key, block)
         for p, columns in outs.items():
             ys = [block[p, qg] for qg in ins if (p, qg) in block]
             rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))

@@ -28,7 +28,7 @@ from dtensor_ext.redistribute.steps import StepBuilder
 __all__ = ["enable", "disable", "is_enabled", "torch_redistribution"]
 
 _wrappers: dict[str, object] = {}  # module name -> the engine's function installed there (`.replaced`: what it wraps)
-_switch = {"on": False}
+_on = False  # whether the wrappers plan (off: they pass every call to the function they wrap)
 _options: dict = {}
 # (source spec, target spec, simulated ranks) -> (mesh, the Program that runs the move or None where torch runs it)
 _decisions: dict = {}
@@ -43,7 +43,8 @@ def enable(**plan_options) -> None:
     _options.clear()
     _decisions.clear()
     _options.update({"objective": "bytes", **plan_options})
-    _switch["on"] = True
+    global _on
+    _on = True
     for module_name, current in _compat.redistribute_local_tensor_functions().items():
         if module_name not in _wrappers:
             _wrappers[module_name] = _planned(current)
@@ -55,7 +56,8 @@ def disable() -> None:
     that a torch fix applied later has wrapped in turn (DTENSOR_EXT_PLANNER=1 enables the engine at import, before
     the fixes) stays, passing every call through, until the fix is undone and a later disable() can take it off:
     putting torch's function back there would drop the fix."""
-    _switch["on"] = False
+    global _on
+    _on = False
     functions = _compat.redistribute_local_tensor_functions()
     for module_name, wrapper in list(_wrappers.items()):
         if functions.get(module_name) is wrapper:
@@ -64,7 +66,7 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
-    return _switch["on"]
+    return _on
 
 
 @contextlib.contextmanager
@@ -83,7 +85,7 @@ def _planned(previous):
     # wraps: probes that read the replaced function (its source, its name) still see torch's
     @functools.wraps(previous)
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
-        if not _switch["on"]:
+        if not _on:
             return previous(local_tensor, current_spec, target_spec, **kwargs)
         key = (current_spec, target_spec, enabled_local_tensor_mode() is not None)
         try:
