@@ -41,8 +41,10 @@ def one_rank_nccl():
     _compat.clear_sharding_caches()
 
 
-def _step(model, x):
-    out = model(x)
+def _step(model, x, forward=None):
+    """One step through `forward` (the model itself, or its compiled wrapper, whose parameter names carry an
+    `_orig_mod.` prefix): the output and each gradient, local to this rank, by the model's own parameter names."""
+    out = (model if forward is None else forward)(x)
     out.float().pow(2).mean().backward()
     local = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
     return out.to_local().detach() if isinstance(out, DTensor) else out.detach(), local
@@ -62,7 +64,7 @@ def test_compiled_tp_step_equals_eager_without_graph_breaks(one_rank_nccl):
         torch._dynamo.reset()
         counters.clear()
         forward = torch.compile(model, backend="inductor", fullgraph=False) if compiled else model
-        runs[compiled] = _step(forward, x)
+        runs[compiled] = _step(model, x, forward)
         if compiled:
             assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
             assert counters["stats"]["unique_graphs"] >= 1
