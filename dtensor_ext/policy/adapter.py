@@ -110,25 +110,34 @@ class Plan:
     # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
     styles: dict | None = None
 
-    def __str__(self) -> str:
-        from dtensor_ext.policy.styles import proven_styles
-
+    def _returned(self) -> dict[int, list]:
+        """Each model output not held replicated -> the collectives that make it the full tensor the caller gets."""
         from dtensor_ext.policy.styles import held_placements
 
-        moves = _moves(self)
-        followers = Counter(self.shared_layers.values())
         full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(held_placements(self, tid))]
-        returned = {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
-                                      (Replicate(),) * self.mesh.ndim) for tid in full}
-        steps = [step for found in moves.values() for _, _, _, _, taken in found for step in taken]
-        steps += [step for taken in returned.values() for step in taken]
+        return {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
+                                  (Replicate(),) * self.mesh.ndim) for tid in full}
+
+    def forward_collectives(self) -> list[tuple[str, int]]:
+        """(kind, bytes the busiest rank receives) of each collective the plan's forward runs, in order: the moves
+        into each op's inputs, then the outputs made full. `parallelize` runs exactly these (DTensor's own plans
+        for each move)."""
+        steps = [step for found in _moves(self).values() for _, _, _, _, taken in found for step in taken]
+        steps += [step for taken in self._returned().values() for step in taken]
+        return [(step.kind, max(step.recv_bytes)) for step in steps]
+
+    def __str__(self) -> str:
+        from dtensor_ext.policy.styles import held_placements, proven_styles
+
+        moves, returned, steps = _moves(self), self._returned(), self.forward_collectives()
+        followers = Counter(self.shared_layers.values())
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
                  f"modelled {self.cost_s * 1e6:.1f} us per step (optimality gap {self.gap:.2%}), "
                  f"planned in {self.planning_s:.2f} s"
                  f"{''.join(f'; {n} repeated layers run the choices of {leader}' for leader, n in followers.items())}",
                  f"  forward redistributions: {len(steps)} collectives, "
-                 f"{sum(max(s.recv_bytes) for s in steps):,} B received per rank (the busiest)"]
+                 f"{sum(nbytes for _, nbytes in steps):,} B received per rank (the busiest)"]
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
         lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
         lines += [f"    {fqn}: {_fmt(p)}" for fqn, p in sharded.items()]

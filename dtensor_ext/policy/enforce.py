@@ -22,8 +22,11 @@ from dtensor_ext.policy.graph_view import replace_tensors, tensors_in, unique_te
 __all__ = ["PlanExecutor"]
 
 
-def _full(value):
-    """DTensors in a model's output (tuples, lists, dicts such as Hugging Face's ModelOutput) -> full tensors."""
+def _full(value, aliases: dict):
+    """DTensors in a model's output (tuples, lists, dicts such as Hugging Face's ModelOutput) -> full tensors,
+    each read as the trace read it (`aliases`: PlanExecutor.aliases)."""
+    if id(value) in aliases:
+        value = aliases[id(value)][1]
     if isinstance(value, DTensor):
         full = value.full_tensor()
         if full.requires_grad:  # a loss's expanded (stride-0) gradient cannot be viewed as a shard in DTensor
@@ -31,10 +34,10 @@ def _full(value):
         return full
     if isinstance(value, dict):
         for key in list(value.keys()):
-            value[key] = _full(value[key])
+            value[key] = _full(value[key], aliases)
         return value
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(_full(v) for v in value)
+        return type(value)(_full(v, aliases) for v in value)
     return value
 
 
@@ -45,6 +48,11 @@ class PlanExecutor:
         self.position = 0
         self.running = False
         self.reduced: dict[int, tuple[DTensor, DTensor]] = {}  # id(partial value) -> (it, its first reduction)
+        # id(tensor) -> (it, what the trace reads in its place): an op that returns its input object unchanged
+        # (`x.to(torch.float32)` on float32, `contiguous()` on a contiguous x) gave the traced tensor a new version
+        # that every later reader of the object reads, but here it returned the input moved to the planned
+        # placement, while the model's other names for the object (a residual) still hold the unmoved one
+        self.aliases: dict[int, tuple[torch.Tensor, DTensor]] = {}
         # ops of modules a ParallelStyle runs: its hooks prepared their inputs as planned (policy.styles)
         self.styled = {k for c in (plan.styles or {}).values() for k in range(c.ops[0], c.ops[1] + 1)}
         self.in_style_hooks = False  # the torch calls a style's hooks make to move tensors are not the model's ops
@@ -56,7 +64,7 @@ class PlanExecutor:
 
         @functools.wraps(forward)
         def planned_forward(*args, **kwargs):
-            return _full(self._run_from(0, forward, args, kwargs))
+            return _full(self._run_from(0, forward, args, kwargs), self.aliases)
 
         model.forward = planned_forward
         for fqn in self.plan.styles or {}:
@@ -92,7 +100,7 @@ class PlanExecutor:
     def _run_from(self, position: int, forward, args, kwargs):
         if self.running:
             return forward(*args, **kwargs)
-        self.position, self.running, self.reduced = position, True, {}
+        self.position, self.running, self.reduced, self.aliases = position, True, {}, {}
         try:
             with self.mode:
                 return forward(*args, **kwargs)
@@ -138,7 +146,9 @@ class PlanExecutor:
         for t, target in zip(operands, op.inputs):
             if k in self.styled:  # a ParallelStyle's hooks prepared the module's inputs as planned
                 continue
-            d = t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, replicate, run_check=False)
+            t_read = self.aliases[id(t)][1] if id(t) in self.aliases else t
+            d = t_read if isinstance(t_read, DTensor) else DTensor.from_local(t_read, self.mesh, replicate,
+                                                                              run_check=False)
             table[id(t)] = self._move(d, replicate if op.local else list(target))
         if op.local:
             out = func(*replace_tensors(args, {i: d.to_local() for i, d in table.items()}),
@@ -146,6 +156,9 @@ class PlanExecutor:
             return _wrap_outputs(out, self.mesh)
         out = func(*replace_tensors(args, table), **replace_tensors(kwargs, table))
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        for t in operands:
+            if id(t) in table and table[id(t)] is not t and any(o is table[id(t)] for o in outs):
+                self.aliases[id(t)] = (t, table[id(t)])
         for o in outs:
             if isinstance(o, DTensor) and o.requires_grad:
                 o.register_hook(functools.partial(_planned_gradient, [
