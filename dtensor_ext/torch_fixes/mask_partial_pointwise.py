@@ -10,7 +10,8 @@ conflicting data"). 2.12+ reduce a `_MaskPartial` input first (their single-dim 
 does not match); here these ops are asked as if each `_MaskPartial` input were already reduced, priced as that move,
 as `mask_partial_views` does for views. In-place ops are left as torch has them: they cannot move `self`, and torch
 keeps the placement of `e.mul_(2)` right. Decided per op by a probe: whether torch's propagation of the op on a
-`_MaskPartial` probe spec keeps the placement.
+`_MaskPartial` probe spec keeps the placement. Applied before `mask_partial_reads`, which then keeps the mask for the
+several reads of one tensor on 2.11 as on 2.12+.
 """
 
 from __future__ import annotations
