@@ -52,12 +52,14 @@ def torch_fix(name: str, *, ops: Iterable[str], why: str) -> Callable[[Callable[
 
 def declared_fixes() -> dict[str, TorchFix]:
     # imported (so applied) in this order: fft_linearity edits the FFT rules that empty_shards then wraps, so it
-    # comes before every module that imports empty_shards (attention_empty_shards does)
+    # comes before every module that imports empty_shards (attention_empty_shards does); mask_partial_pointwise comes
+    # before mask_partial_reads, which keeps a mask for several reads of one tensor, not for tensors sharing it
     from dtensor_ext.torch_fixes import (  # noqa: F401  (declares the fixes)
         allclose, fft_linearity, attention_bias, attention_empty_shards, attention_layout, attention_mask,
         conv_handlers, copy_variants, embedding_renorm, embedding_rows, empty_shards, empty_views, grouped_mm_meta,
         infeasible_choice, inplace_clamp, inplace_copy, inplace_shift, list_indices, logsumexp_keepdim, losses,
-        mask_partial_reads, mask_partial_views, mean_as_sum, pad_mesh_dims, partial_fill, pinv_tolerances, replicate_first,
+        mask_partial_pointwise, mask_partial_reads, mask_partial_views, mean_as_sum, pad_mesh_dims, partial_fill,
+        pinv_tolerances, replicate_first,
         searchsorted_sorter, segment_reduce, shard_to_partial, batched_solves, uneven_rules, uneven_views, static_args, inplace_squeeze,
     )
 

@@ -51,15 +51,6 @@ def _moved_masks(current_spec, target_spec) -> tuple[list, list]:
     return reduced, partitioned
 
 
-def _pointwise_reads_reduce_the_mask() -> bool:
-    """Whether DTensor reduces `_MaskPartial` inputs before a pointwise op reads them (2.12+). 2.11 passes the
-    placement on to `e * e` and `e + e`, and a later reduction then fails applying a mask of another shape
-    (IndexError, with torch alone too): there is no single read left for this fix to keep the mask for."""
-    masked = _compat.probe_spec(torch.zeros(2, 3), (MaskPartial(offset_shape=torch.Size([4]), offset_dim=0),))
-    out = _compat.output_placements(torch.ops.aten.add.Tensor, (masked, masked))
-    return out is not None and not any(isinstance(p, MaskPartial) for p in out)
-
-
 @torch_fix(
     "_MaskPartial read twice",
     ops=("(reductions of _MaskPartial inputs)",),
@@ -68,9 +59,6 @@ def _pointwise_reads_reduce_the_mask() -> bool:
 def fix_mask_partial_reads():
     if not _releases_mask_on_reduction():
         return None
-    if not _pointwise_reads_reduce_the_mask():
-        raise _compat.TorchLacks("_MaskPartial read twice", "torch >= 2.12 (_MaskPartial inputs reduced before "
-                                 "pointwise ops read them)")
     torch_redistribute = _compat.dispatch_redistributor()
     held = weakref.WeakValueDictionary()  # id -> mask buffer on which the fix holds one reference
 

@@ -19,7 +19,7 @@ import torch
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, MaskPartial, OpSchema, OpStrategy, Replicate
 from dtensor_ext.torch_fixes import applied_to, torch_fix
-from dtensor_ext.torch_fixes.strategy_swap import strategy_for_moved_input, wrap_strategies
+from dtensor_ext.torch_fixes.strategy_swap import strategy_for_moved_inputs, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -35,12 +35,16 @@ def _reduced(spec: DTensorSpec) -> DTensorSpec:
 
 
 def reducing_mask_partial_first(torch_strategy):
+    """`torch_strategy` asked as if every `_MaskPartial` tensor argument were already reduced, priced as that move."""
+
     def strategy(op_schema: OpSchema) -> OpStrategy:
-        source = op_schema.args_schema[0]
-        spec = source.strategies[0].output_spec if isinstance(source, OpStrategy) else None
-        if spec is None or not any(isinstance(p, MaskPartial) for p in spec.placements):
+        specs = {i: arg.strategies[0].output_spec for i, arg in enumerate(op_schema.args_schema)
+                 if isinstance(arg, OpStrategy)}
+        targets = {i: _reduced(spec) for i, spec in specs.items()
+                   if any(isinstance(p, MaskPartial) for p in spec.placements)}
+        if not targets:
             return torch_strategy(op_schema)
-        return strategy_for_moved_input(torch_strategy, op_schema, _reduced(spec))
+        return strategy_for_moved_inputs(torch_strategy, op_schema, targets)
 
     strategy.__wrapped__ = torch_strategy
     return strategy

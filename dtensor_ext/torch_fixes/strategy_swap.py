@@ -113,20 +113,38 @@ def filtered_single_dim(info: object, keeps: Callable[[OpSchema], Callable[[OpSp
     return strategy
 
 
+def input_spec(spec: OpSpec, index: int) -> DTensorSpec:
+    """The layout `spec` wants for its `index`-th tensor input (a spec listing none wants the output's)."""
+    return spec.input_specs[index] if spec.input_specs else spec.output_spec
+
+
 def first_input_spec(spec: OpSpec) -> DTensorSpec:
-    return spec.input_specs[0] if spec.input_specs else spec.output_spec
+    return input_spec(spec, 0)
 
 
 def strategy_for_moved_input(torch_strategy: Callable, op_schema: OpSchema, target: DTensorSpec) -> OpStrategy:
     """`torch_strategy` asked as if the first input were laid out as `target`, each layout it offers priced as the
     move from where that input really is."""
-    source = op_schema.args_schema[0]
-    moved_schema = OpSchema(op_schema.op, (OpStrategy([OpSpec(target)]), *op_schema.args_schema[1:]),
-                            op_schema.kwargs_schema, schema_info=op_schema.schema_info)
-    return OpStrategy([
-        OpSpec(spec.output_specs, spec.input_specs, [
-            [_compat.redistribute_cost(s.output_spec, first_input_spec(spec)) for s in source.strategies],
-            *spec.redistribute_cost[1:],
-        ])
-        for spec in torch_strategy(moved_schema).strategies
-    ])
+    return strategy_for_moved_inputs(torch_strategy, op_schema, {0: target})
+
+
+def strategy_for_moved_inputs(
+    torch_strategy: Callable, op_schema: OpSchema, targets: dict[int, DTensorSpec]
+) -> OpStrategy:
+    """`torch_strategy` asked as if the tensor argument at each position of `targets` were laid out as its target,
+    each layout it offers priced as the moves from where those inputs really are."""
+    args = list(op_schema.args_schema)
+    for position, target in targets.items():
+        args[position] = OpStrategy([OpSpec(target)])
+    moved_schema = OpSchema(op_schema.op, tuple(args), op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+    tensor_positions = [i for i, arg in enumerate(op_schema.args_schema) if isinstance(arg, OpStrategy)]
+
+    def priced(spec: OpSpec) -> OpSpec:
+        costs = list(spec.redistribute_cost)
+        for index, position in enumerate(tensor_positions):
+            if position in targets:  # a slice, so a cost list torch left short gets this input's costs appended
+                costs[index:index + 1] = [[_compat.redistribute_cost(s.output_spec, input_spec(spec, index))
+                                           for s in op_schema.args_schema[position].strategies]]
+        return OpSpec(spec.output_specs, spec.input_specs, costs)
+
+    return OpStrategy([priced(spec) for spec in torch_strategy(moved_schema).strategies])

@@ -10,16 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dtensor_ext import registry
 from dtensor_ext.testing import simulated_mesh
 from tests.torch_fixes.sharded_runs import agrees
 
 VOCAB, DIM = 16, 4
-# where the fix reports "needs newer torch" (2.11), a masked lookup read by `e * e` fails with torch alone and the
-# package alike: there is nothing for the fix to do, and these runs are not its to prove
-pytestmark = pytest.mark.skipif(
-    {e.status for e in registry() if e.op == "(reductions of _MaskPartial inputs)"} == {"needs newer torch"},
-    reason="the _MaskPartial-reads fix needs a newer torch (its registry entry says which)")
 
 
 def read_three_times(weight, tokens):

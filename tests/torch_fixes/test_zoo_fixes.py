@@ -30,13 +30,6 @@ def _embedding_read_twice():
 
 
 def test_a_vocab_sharded_embedding_output_can_be_read_twice(fix_state):
-    if fix_status("(reductions of _MaskPartial inputs)") == "needs newer torch":
-        # 2.11 passes the mask on through pointwise ops; the registry reports the fix as out of reach, and the read
-        # fails loudly with torch alone and with the package alike (never a wrong result)
-        dtensor_ext.install(fix_torch=fix_state == "fixed")
-        with pytest.raises(AssertionError):
-            _embedding_read_twice()
-        return
     if _torch_alone_has_the_defect(fix_state, "(reductions of _MaskPartial inputs)"):
         with pytest.raises(AssertionError):
             _embedding_read_twice()
