@@ -175,7 +175,8 @@ def solve(problem: Problem, where: str, optimality_gap: float = EXACT) -> tuple[
     h.setOptionValue("mip_rel_gap", optimality_gap)
     # LPs of the MIP by interior point (then crossover): the same optimum and proven gap, reached sooner. Its root
     # solution lets reduced-cost fixing drop more columns once a plan is found (HF Llama 2x2, 2 layers, the same
-    # problem replayed, best of 2: 12.0 s with both rows and option, 59.5 s before either, HiGHS 1.16.0, same cost). A HiGHS without the option refuses it and keeps its default.
+    # problem replayed, best of 2: 12.0 s with both rows and option, 59.5 s before either, HiGHS 1.16.0, same cost).
+    # A HiGHS without the option refuses it and keeps its default.
     h.setOptionValue("mip_lp_solver", "ipm")
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
