@@ -64,7 +64,10 @@ class PlanExecutor:
 
         @functools.wraps(forward)
         def planned_forward(*args, **kwargs):
-            return _full(self._run_from(0, forward, args, kwargs), self.aliases)
+            try:
+                return _full(self._run_from(0, forward, args, kwargs), self.aliases)
+            finally:  # the moved copies stay alive only as long as autograd needs them, not until the next step
+                self.reduced, self.aliases = {}, {}
 
         model.forward = planned_forward
         for fqn in self.plan.styles or {}:
