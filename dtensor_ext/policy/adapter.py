@@ -122,14 +122,13 @@ class Plan:
         """(kind, bytes the busiest rank receives) of each collective the plan's forward runs, in order: the moves
         into each op's inputs, then the outputs made full. `parallelize` runs exactly these (DTensor's own plans
         for each move)."""
-        steps = [step for found in _moves(self).values() for _, _, _, _, taken in found for step in taken]
-        steps += [step for taken in self._returned().values() for step in taken]
-        return [(step.kind, max(step.recv_bytes)) for step in steps]
+        return _forward_steps(_moves(self), self._returned())
 
     def __str__(self) -> str:
         from dtensor_ext.policy.styles import held_placements, proven_styles
 
-        moves, returned, steps = _moves(self), self._returned(), self.forward_collectives()
+        moves, returned = _moves(self), self._returned()
+        steps = _forward_steps(moves, returned)
         followers = Counter(self.shared_layers.values())
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
@@ -221,6 +220,13 @@ def _moves(plan: Plan) -> dict[int, list[tuple]]:
             taken = [] if source == target else _collectives(plan.mesh, plan.graph.tensors[tid], source, target)
             found[op.node.index].append((slot, what, held, target, taken))
     return found
+
+
+def _forward_steps(moves: dict[int, list[tuple]], returned: dict[int, list]) -> list[tuple[str, int]]:
+    """(kind, bytes the busiest rank receives) of each collective in `moves` (_moves) and `returned`, in order."""
+    steps = [step for found in moves.values() for _, _, _, _, taken in found for step in taken]
+    steps += [step for taken in returned.values() for step in taken]
+    return [(step.kind, max(step.recv_bytes)) for step in steps]
 
 
 def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple, model=None) -> list:

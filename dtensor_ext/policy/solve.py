@@ -113,10 +113,12 @@ def _model(problem: Problem, highspy):
             block = {pair: len(costs) + i for i, pair in enumerate(prices)}
             costs += [0.0] * len(block)
             shared_blocks.setdefault(key, block)
-        for (p, (q, g, nbytes)), cost in prices.items():
-            costs[block[p, (q, g, nbytes)]] += cost
+        for pair, cost in prices.items():
+            column = block[pair]
+            costs[column] += cost
+            p, (q, _, nbytes) = pair
             if nbytes and p != q:
-                copied[block[p, (q, g, nbytes)]] = copied.get(block[p, (q, g, nbytes)], 0.0) + nbytes
+                copied[column] = copied.get(column, 0.0) + nbytes
         if shared:
             continue
         for p, columns in outs.items():

@@ -34,7 +34,7 @@ from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate
 from dtensor_ext.torch_fixes import Undo, applied_to, swap_handlers, torch_fix, undo_all
 from dtensor_ext.torch_fixes.strategy_swap import (
-    filtered_single_dim, first_input_spec, single_dim_as_op_strategy, strategy_for_moved_input, wrap_strategies,
+    filtered_single_dim, input_spec, single_dim_as_op_strategy, strategy_for_moved_inputs, wrap_strategies,
 )
 
 aten = torch.ops.aten
@@ -214,7 +214,7 @@ def starves_a_rank(spec: DTensorSpec, dims: tuple[int, ...]) -> bool:
 
 
 def _runnable(offered: OpStrategy, dims: tuple[int, ...]) -> OpStrategy:
-    return OpStrategy([s for s in offered.strategies if not starves_a_rank(first_input_spec(s), dims)])
+    return OpStrategy([s for s in offered.strategies if not starves_a_rank(input_spec(s, 0), dims)])
 
 
 def feeds_every_rank(guarded_dims: GuardedDims) -> Callable[[OpSchema], Callable[[OpSpec], bool]]:
@@ -222,7 +222,7 @@ def feeds_every_rank(guarded_dims: GuardedDims) -> Callable[[OpSchema], Callable
 
     def keeps(op_schema: OpSchema) -> Callable[[OpSpec], bool]:
         dims = guarded_dims(op_schema)
-        return lambda spec: not starves_a_rank(first_input_spec(spec), dims)
+        return lambda spec: not starves_a_rank(input_spec(spec, 0), dims)
 
     return keeps
 
@@ -254,7 +254,7 @@ def runnable_op_strategy(torch_strategy: Callable, guarded_dims: GuardedDims) ->
         if runnable.strategies:
             return runnable
         target = _unstarved(op_schema.args_schema[0].strategies[0].output_spec, dims)
-        return _runnable(strategy_for_moved_input(torch_strategy, op_schema, target), dims)
+        return _runnable(strategy_for_moved_inputs(torch_strategy, op_schema, {0: target}), dims)
 
     return strategy
 

@@ -118,16 +118,6 @@ def input_spec(spec: OpSpec, index: int) -> DTensorSpec:
     return spec.input_specs[index] if spec.input_specs else spec.output_spec
 
 
-def first_input_spec(spec: OpSpec) -> DTensorSpec:
-    return input_spec(spec, 0)
-
-
-def strategy_for_moved_input(torch_strategy: Callable, op_schema: OpSchema, target: DTensorSpec) -> OpStrategy:
-    """`torch_strategy` asked as if the first input were laid out as `target`, each layout it offers priced as the
-    move from where that input really is."""
-    return strategy_for_moved_inputs(torch_strategy, op_schema, {0: target})
-
-
 def strategy_for_moved_inputs(
     torch_strategy: Callable, op_schema: OpSchema, targets: dict[int, DTensorSpec]
 ) -> OpStrategy:

@@ -25,7 +25,7 @@ import torch
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpStrategy, Replicate, Shard
 from dtensor_ext.torch_fixes import torch_fix
-from dtensor_ext.torch_fixes.strategy_swap import strategy_for_moved_input, wrap_strategies
+from dtensor_ext.torch_fixes.strategy_swap import strategy_for_moved_inputs, wrap_strategies
 
 aten = torch.ops.aten
 
@@ -100,7 +100,7 @@ def copying_nested_uneven(view_strategy):
         if unaliased_layout(op_schema, offered) is None:
             return offered
         target = _sharded_once(op_schema.args_schema[0].strategies[0].output_spec)
-        offered = strategy_for_moved_input(view_strategy, op_schema, target)
+        offered = strategy_for_moved_inputs(view_strategy, op_schema, {0: target})
         wrong = unaliased_layout(op_schema, offered)
         if wrong is not None:
             raise UnevenViewError(f"{op_schema.op}: no copying layout found: {wrong}")

@@ -48,5 +48,5 @@ def test_forward_runs_exactly_the_printed_collectives():
         out = model(ids, labels=labels)
         out.loss.backward()
         assert_every_rank_matches(out.loss, expected.loss)
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-            assert_every_rank_matches(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert_every_rank_matches(p.grad, q.grad)
