@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dtensor_ext._compat import (clear_sharding_caches, fake_tensor_mode, outside_dispatch_modes,
                                  outside_simulated_ranks, quiet_torch_log, redistribution_plans_kept,
                                  strided_offsets_on_plain_ints)
-from dtensor_ext.policy.graph_view import OpNode, replace_tensors, tensors_in, unique_tensors
+from dtensor_ext.policy.graph_view import OpNode, op_outputs, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["Candidate", "CandidateCache", "NodeOptions", "enumerate_candidates", "is_inplace", "local_shape",
            "operand_tensors", "prove_combinations", "splits"]
@@ -72,9 +72,10 @@ class NodeOptions:
 
 
 def is_inplace(node: OpNode) -> bool:
-    """The op writes its first input (``x.add_(y)``, ``x /= y``)."""
+    """The op writes its first input (``x.add_(y)``, ``x /= y``, ``x[i] = y``)."""
     name = getattr(node.fn, "__name__", "")
-    return name.startswith("__i") and name.endswith("__") or (name.endswith("_") and not name.startswith("_"))
+    return (name.startswith("__i") and name.endswith("__") or (name.endswith("_") and not name.startswith("_"))
+            or name == "__setitem__")
 
 
 def operand_tensors(node: OpNode) -> list[torch.Tensor]:
@@ -350,12 +351,12 @@ def _try(node: OpNode, mesh, operands, fakes, combo, grad_operands, param_operan
         with torch.enable_grad(), CommDebugMode() as comm:
             inputs = _inputs_for_autograd(dts, grad_operands)
             saved = _SavedBytes([inputs[k] for k in param_operands])
+            args = replace_tensors(node.args, dict(zip(map(id, operands), inputs)))
             with saved.hooks:
-                out = node.fn(*replace_tensors(node.args, dict(zip(map(id, operands), inputs))),
-                              **replace_tensors(node.kwargs, dict(zip(map(id, operands), inputs))))
+                out = node.fn(*args, **replace_tensors(node.kwargs, dict(zip(map(id, operands), inputs))))
         if comm.get_total_counts():
             return f"DTensor communicates ({_counts(comm)})"
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        outs = op_outputs(node.fn, args, out)
         if not all(isinstance(o, DTensor) for o in outs):
             return "the op returned a plain tensor"
         placements = tuple(tuple(o.placements) for o in outs)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.graph_view import replace_tensors, tensors_in, unique_tensors
+from dtensor_ext.policy.graph_view import op_outputs, replace_tensors, unique_tensors
 
 __all__ = ["PlanExecutor"]
 
@@ -157,8 +157,9 @@ class PlanExecutor:
             out = func(*replace_tensors(args, {i: d.to_local() for i, d in table.items()}),
                        **replace_tensors(kwargs, {i: d.to_local() for i, d in table.items()}))
             return _wrap_outputs(out, self.mesh)
-        out = func(*replace_tensors(args, table), **replace_tensors(kwargs, table))
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        moved_args = replace_tensors(args, table)
+        out = func(*moved_args, **replace_tensors(kwargs, table))
+        outs = op_outputs(func, moved_args, out)
         for t in operands:
             if id(t) in table and table[id(t)] is not t and any(o is table[id(t)] for o in outs):
                 self.aliases[id(t)] = (t, table[id(t)])
@@ -231,7 +232,7 @@ class _PlanMode(TorchFunctionMode):
             ex.position += 1
             return ex.run(k, func, args, kwargs)
         out = func(*args, **kwargs)
-        if tensors_in(out):  # an op the trace did not see (autograd hooks, other inputs): DTensor runs it unplanned
+        if op_outputs(func, args, out):  # an op the trace did not see (autograd hooks, other inputs): run unplanned
             ex.plan.deviations.append(f"unplanned {getattr(func, '__name__', func)} before "
                                       f"{nodes[k] if k < len(nodes) else 'the end'}")
         return out

@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 
 from dtensor_ext._compat import torch_op_names
 
-__all__ = ["ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "replace_tensors", "tensors_in",
-           "trace_graph", "unique_tensors"]
+__all__ = ["ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs", "replace_tensors",
+           "tensors_in", "trace_graph", "unique_tensors"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _POLICY_DIR = os.path.dirname(__file__)
@@ -205,6 +205,14 @@ def tensors_in(value) -> list[torch.Tensor]:
     return []
 
 
+def op_outputs(func: Callable, args: tuple, out: object) -> list[torch.Tensor]:
+    """The tensors an op produced: its tensor results; for ``x[i] = v``, which returns None, the ``x`` it wrote (a
+    write the trace must see: the plan has to keep ``x`` where DTensor can write it, and price what reads it)."""
+    if getattr(func, "__name__", "") == "__setitem__":
+        return [args[0]]
+    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+
+
 def unique_tensors(value) -> list[torch.Tensor]:
     """An op's tensor operands as its node's operand_ids list them: each object once, in order of appearance."""
     return list({id(t): t for t in tensors_in(value)}.values())
@@ -272,7 +280,7 @@ class _Recorder(TorchFunctionMode):
         kwarg_ids = tuple(self.tensor_id(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
         operand_ids = tuple(dict.fromkeys(self.tensor_id(t) for t in tensors_in((args, kwargs))))
         out = func(*args, **kwargs)
-        outputs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        outputs = op_outputs(func, args, out)
         if not outputs or getattr(func, "__name__", "") in ("__get__", "__set__"):
             return out
         fqns = tuple(f for f, _ in self.stack)

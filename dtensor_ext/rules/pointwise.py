@@ -138,6 +138,15 @@ def masked_fill_rule(op, args, kwargs):
     return [[*row, Replicate()] for row in elementwise_rows([self, mask])]
 
 
+@single_dim_rule(["aten::fill.Tensor", "aten::fill_.Tensor"], family=FAMILY)
+def fill_rule(op, args, kwargs):
+    """(self, value): every element becomes the 0-d value, so the result is sharded wherever self is, and a
+    Partial value gives a Partial result (each rank writes its part). ``x[:, :2] = 0.0`` on a DTensor runs this."""
+    self = args[0]
+    rows = [[ShardingPlaceholder(d), ShardingPlaceholder(d), Replicate()] for d in range(len(self.shape))]
+    return rows + [[Partial(r)] * 3 for r in ("sum", "avg")]
+
+
 @single_dim_rule("aten::glu", family=FAMILY, schema_info=RuntimeSchemaInfo(1))
 def glu_rule(op, args, kwargs):
     """glu halves `dim` (a * sigmoid(b) of its two halves): every other dim is elementwise."""

@@ -115,6 +115,14 @@ def test_floor_divide_and_masked_fill_proven(mesh_shape, pair):
 
 
 @PROVING_MESHES
+@given(shape=shapes(min_dims=0, max_dims=3))
+def test_fill_with_a_tensor_value_proven(mesh_shape, shape):
+    x = sample_tensor(shape)
+    for op in (aten.fill.Tensor, aten.fill_.Tensor):
+        assert_proven(op, [x, torch.tensor(2.5)], rule=pointwise.fill_rule, mesh_shape=mesh_shape)
+
+
+@PROVING_MESHES
 @given(shape=shapes(min_dims=1, max_dims=3), data=st.data())
 def test_glu_and_backward_proven(mesh_shape, shape, data):
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
@@ -169,7 +177,7 @@ def test_torch_validator_finds_no_incorrect_rule():
         assert_torch_validator_agrees(name)
     # these OpInfo samples only reach combinations the validator counts as trivial: run for false positives only
     for name in ("renorm", "nn.functional.mse_loss", "nn.functional.binary_cross_entropy", "nn.functional.prelu",
-                 "nn.functional.multi_margin_loss"):
+                 "nn.functional.multi_margin_loss", "fill"):
         assert_torch_validator_agrees(name, exercised=False)
 
 
