@@ -55,7 +55,7 @@ from dtensor_ext._compat.dispatch import (  # noqa: F401
     redistribution_steps,
     redistribution_transforms, respec_inplace, shard_to_shard_gathers, suggested_input_specs, redistribute_local_tensor_functions,
     set_custom_op_handler, set_dispatch_redistributor, set_redistribute_local_tensor, tp_convolution_kernels,
-    tracing_for_compile, wrap_local_results,
+    tracing_for_compile, view_layout_spec, wrap_local_results,
 )
 from dtensor_ext._compat.collectives import (  # noqa: F401
     default_store, flat_collectives, group_size, mesh_description, mesh_coordinates_by_rank, process_group_of,

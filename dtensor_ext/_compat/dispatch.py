@@ -129,6 +129,16 @@ def redistribution_transforms(source: Any, target: Any) -> list[tuple[tuple[int,
     ]
 
 
+def view_layout_spec(mesh, placements: tuple, tensor_meta) -> Any:
+    """The spec of a value an op made, as DTensor holds it: a _StridedShard in it is a strided layout (what view ops
+    produce, e.g. flattening two sharded dims), not a shard order encoded in placements. Redistributing it plans
+    what DTensor runs for that value (a _StridedShard(0, split_factor=1) -> Shard(0) goes through Replicate; read
+    as a shard order it would be no move at all)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta, use_strided_shard_as_shard_order=False)
+
+
 def shard_to_shard_gathers(mesh) -> bool:
     """Whether DTensor moves Shard(i) -> Shard(j) by gathering the whole mesh dim and keeping a chunk (torch's
     `shard_dim_alltoall` does so on CPU meshes of real processes, where it takes gloo to lack all_to_all), rather

@@ -238,7 +238,7 @@ def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple, 
     from dtensor_ext.redistribute.steps import StepBuilder
 
     meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
-    transforms = _compat.redistribution_transforms(_compat.DTensorSpec(mesh, src, tensor_meta=meta),
+    transforms = _compat.redistribution_transforms(_compat.view_layout_spec(mesh, src, meta),
                                                    _compat.DTensorSpec(mesh, dst, tensor_meta=meta))
     builder = StepBuilder(tuple(value.shape), tuple(mesh.shape), value.dtype,
                           model or IdealCostModel().bind(mesh.shape))

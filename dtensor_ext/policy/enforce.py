@@ -204,7 +204,7 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 def _kind(p) -> tuple:
     """A placement without its run-time state (a masked partial's mask)."""
-    return type(p).__name__, getattr(p, "dim", None), getattr(p, "reduce_op", None)
+    return type(p).__name__, getattr(p, "dim", None), getattr(p, "reduce_op", None), getattr(p, "split_factor", None)
 
 
 def _wrap_outputs(out, mesh):

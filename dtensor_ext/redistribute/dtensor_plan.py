@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_ext import _compat
-from dtensor_ext._compat import DTensorSpec, Partial, Replicate, TensorMeta
+from dtensor_ext._compat import DTensorSpec, Partial, Replicate, StridedShard, TensorMeta
 from dtensor_ext.redistribute.placements import format_placements
 from dtensor_ext.redistribute.placements import is_shard
 from dtensor_ext.redistribute.plan import Step
@@ -45,6 +45,10 @@ def gloo_dtensor_steps(builder: StepBuilder, src: tuple, dst: tuple) -> list[Ste
     return dtensor_steps(builder, src, transforms, shard_to_shard_gathers=True)
 
 
+def _strided(*placements) -> bool:
+    return any(isinstance(p, StridedShard) for p in placements)
+
+
 def dtensor_steps(builder: StepBuilder, src: tuple, transforms, shard_to_shard_gathers: bool) -> list[Step]:
     """Steps of torch's plan `transforms` ((mesh dims, from, to) each, as `_compat.redistribution_transforms`
     gives) from placements `src`. `shard_to_shard_gathers`: torch moves Shard(i) -> Shard(j) by gathering the mesh
@@ -56,10 +60,14 @@ def dtensor_steps(builder: StepBuilder, src: tuple, transforms, shard_to_shard_g
             steps.append(builder.all_reduce_over(state, mesh_dims))
         elif isinstance(before, Partial):
             steps.append(builder.reduce_scatter_over(state, mesh_dims, after.dim))
-        elif is_shard(before) and is_shard(after) and shard_to_shard_gathers:
+        elif is_shard(before) and is_shard(after) and (shard_to_shard_gathers or _strided(before, after)):
+            # torch moves a _StridedShard to or from a Shard through Replicate: a gather, then a local cut
             gathered = tuple(Replicate() if j in mesh_dims else p for j, p in enumerate(state))
             step = builder.exchange(state, gathered)
             steps.append(Step("all_gather", step.mesh_dims, state, target, step.recv_bytes, step.buffer_bytes, step.time_s))
+        elif is_shard(before) and is_shard(after):
+            # Shard(i) -> Shard(j): one all_to_all of the mesh dim, also where only pairs exchange (2 ranks)
+            steps.append(builder.as_collective(builder.exchange(state, target), "all_to_all"))
         elif is_shard(before):
             steps.append(builder.exchange(state, target))
         else:  # Replicate -> Shard or Partial: a local cut

@@ -10,6 +10,7 @@ straight to the ranks that need them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from functools import lru_cache
@@ -102,6 +103,15 @@ class StepBuilder:
             return self.cost.collective_time(kind, mesh_dims, -(-most * n // (n - 1)))
         # fewer partners than a ring: one pairwise round per partner
         return peers * self.cost.collective_time("permute", mesh_dims, -(-most // peers))
+
+    def as_collective(self, step: Step, kind: str) -> Step:
+        """`step`'s moves run as one `kind` collective over its mesh dims, whatever their pattern (how torch runs
+        some moves: Shard(i) -> Shard(j) is an all_to_all even where each rank only swaps with one other)."""
+        if step.kind == kind or not step.transfers:
+            return step
+        n = self._group_size(step.mesh_dims)
+        time_s = self.cost.collective_time(kind, step.mesh_dims, -(-max(step.recv_bytes) * n // (n - 1)))
+        return dataclasses.replace(step, kind=kind, time_s=time_s)
 
     def _distance(self, r: int, s: int) -> int:
         return sum(x != y for x, y in zip(self.coords[r], self.coords[s]))
