@@ -70,6 +70,82 @@ def _quiet_highs(highspy):
     return h
 
 
+class _Layout:
+    """One edge's transport block, its columns relative to the edge's ends: `outs` maps each output placement
+    the producer's candidates send to those candidates (their indexes), `ins` each (input placement, gradient
+    placement, bytes held when moved) the consumer's candidates read to those candidates; `prices` each possible
+    pair (output, input) to its move's cost, `by_out`/`by_in` the pairs of each output/input in block order, and
+    `copied` the moved pairs that hold bytes. Placements are numbered (`_Layouts.number`), so the keys are ints."""
+
+    def __init__(self, outs: dict, ins: dict, price):
+        self.outs, self.ins = outs, ins
+        self.prices: dict[tuple, float] = {}
+        self.by_out: dict = {p: [] for p in outs}
+        self.by_in: dict = {qg: [] for qg in ins}
+        self.copied: list[tuple] = []
+        for p in outs:
+            for qg in ins:
+                cost = price(p, *qg[:2])
+                if cost is None:  # an impossible move gets no variable: the pair cannot be chosen together
+                    continue
+                pair = (p, qg)
+                self.prices[pair] = cost
+                self.by_out[p].append(pair)
+                self.by_in[qg].append(pair)
+                if qg[2] and p != qg[0]:
+                    self.copied.append((pair, qg[2]))
+
+
+class _Layouts:
+    """Edge layouts made once per distinct (price, producer's outputs, consumer's inputs): the edges of repeated
+    layers (and of tied rows) reuse one, and each price is asked once per distinct (price, p, q, g). Placements
+    are numbered once per option row and slot, so no placement is hashed per pair of candidates."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.numbers: dict = {None: None}  # placements -> number
+        self.placements: dict = {None: None}  # number -> placements
+        self.sent: dict[tuple, tuple] = {}  # (row, output slot) -> number of each candidate's output
+        self.read: dict[tuple, tuple] = {}  # (row, operand slot) -> numbers of each candidate's (input, gradient)
+        self.made: dict[tuple, _Layout] = {}
+        self.prices: dict[tuple, float | None] = {}
+
+    def number(self, placements) -> int | None:
+        found = self.numbers.get(placements)
+        if found is None and placements is not None:
+            found = self.numbers[placements] = len(self.numbers)
+            self.placements[found] = placements
+        return found
+
+    def of(self, e: int, u: int, slot_out: int, v: int, slot_in: int, price) -> _Layout:
+        sent = self.sent.get((u, slot_out))
+        if sent is None:
+            sent = self.sent[u, slot_out] = tuple(self.number(o[1][slot_out]) for o in self.problem.options[u])
+        read = self.read.get((v, slot_in))
+        if read is None:
+            read = self.read[v, slot_in] = tuple((self.number(o[0][slot_in]), self.number(o[2][slot_in]))
+                                                 for o in self.problem.options[v])
+        copies = self.problem.copies.get(e)
+        wanted = tuple((q, g, copies[k] if copies else 0) for k, (q, g) in enumerate(read))
+        key = (price, sent, wanted)
+        layout = self.made.get(key)
+        if layout is None:
+            outs: dict = {}
+            for k, p in enumerate(sent):
+                outs.setdefault(p, []).append(k)
+            ins: dict = {}
+            for k, qg in enumerate(wanted):
+                ins.setdefault(qg, []).append(k)
+            layout = self.made[key] = _Layout(outs, ins, lambda p, q, g: self._price(price, p, q, g))
+        return layout
+
+    def _price(self, price, p: int, q: int, g: int | None) -> float | None:
+        key = (price, p, q, g)
+        if key not in self.prices:
+            self.prices[key] = price(self.placements[p], self.placements[q], self.placements[g])
+        return self.prices[key]
+
+
 def _model(problem: Problem, highspy):
     """The HiGHS model of `problem` (costs in microseconds; the choice columns binary, the rest continuous) and the
     first column of each option row (a tied row's are its leader's)."""
@@ -91,42 +167,26 @@ def _model(problem: Problem, highspy):
             rows.append((1.0, list(range(first[v], first[v] + len(opts))), [1.0] * len(opts)))
     copied: dict[int, float] = {}  # transport column -> bytes a rank holds when that move is chosen
     shared_blocks: dict[tuple, dict] = {}  # (producer row, slot, consumer row, slot) after ties -> its block
+    layouts = _Layouts(problem)
     for e, (u, slot_out, v, slot_in, price) in enumerate(problem.edges):
-        outs: dict = {}
-        for k, o in enumerate(problem.options[u]):
-            outs.setdefault(o[1][slot_out], []).append(first[u] + k)
-        ins: dict = {}
-        copies = problem.copies.get(e)
-        for k, o in enumerate(problem.options[v]):
-            ins.setdefault((o[0][slot_in], o[2][slot_in], copies[k] if copies else 0),
-                           []).append(first[v] + k)
-        prices = {}
-        for p in outs:
-            for q, g, nbytes in ins:
-                cost = price(p, q, g)
-                if cost is not None:  # an impossible move gets no variable: the pair cannot be chosen together
-                    prices[p, (q, g, nbytes)] = cost
+        layout = layouts.of(e, u, slot_out, v, slot_in, price)
         key = (problem.same_as.get(u, u), slot_out, problem.same_as.get(v, v), slot_in)
         block = shared_blocks.get(key)
-        shared = block is not None and block.keys() == prices.keys()
+        shared = block is not None and block.keys() == layout.prices.keys()
         if not shared:
-            block = {pair: len(costs) + i for i, pair in enumerate(prices)}
+            block = {pair: len(costs) + i for i, pair in enumerate(layout.prices)}
             costs += [0.0] * len(block)
             shared_blocks.setdefault(key, block)
-        for pair, cost in prices.items():
-            column = block[pair]
-            costs[column] += cost
-            p, (q, _, nbytes) = pair
-            if nbytes and p != q:
-                copied[column] = copied.get(column, 0.0) + nbytes
+        for pair, cost in layout.prices.items():
+            costs[block[pair]] += cost
+        for pair, nbytes in layout.copied:
+            copied[block[pair]] = copied.get(block[pair], 0.0) + nbytes
         if shared:
             continue
-        for p, columns in outs.items():
-            ys = [block[p, qg] for qg in ins if (p, qg) in block]
-            rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
-        for qg, columns in ins.items():
-            ys = [block[p, qg] for p in outs if (p, qg) in block]
-            rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
+        for ends, by_end, at in ((layout.outs, layout.by_out, first[u]), (layout.ins, layout.by_in, first[v])):
+            for end, ks in ends.items():
+                ys = [block[pair] for pair in by_end[end]]
+                rows.append((0.0, ys + [at + k for k in ks], [1.0] * len(ys) + [-1.0] * len(ks)))
     for cost, readers, m in problem.reductions:
         # per reader (tied readers by their leader's row, whose columns they share): its candidates that send a
         # Partial gradient back through the slot on mesh dim m
