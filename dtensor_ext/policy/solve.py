@@ -235,11 +235,15 @@ def solve(problem: Problem, where: str, optimality_gap: float = EXACT) -> tuple[
 
     h, first = _model(problem, highspy)
     h.setOptionValue("mip_rel_gap", optimality_gap)
-    # LPs of the MIP by interior point (then crossover): the same optimum and proven gap, reached sooner. Its root
-    # solution lets reduced-cost fixing drop more columns once a plan is found (HF Llama 2x2, 2 layers, the same
-    # problem replayed, best of 2: 12.0 s with both rows and option, 59.5 s before either, HiGHS 1.16.0, same cost).
-    # A HiGHS without the option refuses it and keeps its default.
-    h.setOptionValue("mip_lp_solver", "ipm")
+    # Under a memory budget, the LPs of the MIP by interior point (then crossover): the same optimum and proven gap,
+    # reached sooner. Its root solution lets reduced-cost fixing drop more columns once a plan is found (HF Llama
+    # 2x2, 2 layers, the same problem replayed, best of 2: 12.0 s with both rows and option, 59.5 s before either,
+    # HiGHS 1.16.0, same cost; 8 layers under the hand plan's memory: 17.5 s, 31.8 s by simplex). Without a budget
+    # the root LP is the plan (integral) and HiGHS's default dual simplex reaches it sooner (8 layers: 4.8 s,
+    # 9.2 s by interior point; 2 layers: 3.4 s, 5.5 s). A HiGHS without the option refuses it and keeps its
+    # default.
+    if problem.memory is not None:
+        h.setOptionValue("mip_lp_solver", "ipm")
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         raise PolicyError(where, "<constraints>", str(h.getModelStatus()),
