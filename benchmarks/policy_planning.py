@@ -100,8 +100,9 @@ def main() -> None:
                 f" s) cost {best['cost_us']:.3f} us gap {best['gap']:.2%} plan {best['fingerprint']}")
         if case in before:
             b = before[case]
+            same = "same plan" if b["fingerprint"] == best["fingerprint"] else "OTHER PLAN"
             line += (f" | before {b['plan_s']:6.2f} s (model {b['model_s']:5.2f} s, HiGHS {b['highs_s']:5.2f} s) "
-                     f"cost {b['cost_us']:.3f} us, {'same plan' if b['fingerprint'] == best['fingerprint'] else 'OTHER PLAN'}")
+                     f"cost {b['cost_us']:.3f} us, {same}")
         print(line, flush=True)
     if args.save:
         with open(args.save, "w") as f:

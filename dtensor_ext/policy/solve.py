@@ -30,6 +30,8 @@ __all__ = ["EXACT", "Problem", "solve"]
 MICROSECONDS = 1e6
 # HiGHS's default relative optimality gap: no plan is cheaper than the one returned by more than 0.01% of its cost
 EXACT = 1e-4
+# a relaxed choice this close to 0 or 1 counts as integral (HiGHS's own MIP feasibility tolerance)
+INTEGRAL = 1e-6
 
 
 @dataclass
@@ -234,24 +236,47 @@ def solve(problem: Problem, where: str, optimality_gap: float = EXACT) -> tuple[
     import highspy
 
     h, first = _model(problem, highspy)
+    if problem.memory is None:
+        relaxed = _integral_relaxation(h, highspy, max(first[v] + len(opts) for v, opts in enumerate(problem.options)))
+        if relaxed is not None:
+            # the LP's optimum is a plan: no plan is cheaper than the relaxation's optimum, so it is the MIP's (gap 0)
+            return _picks(problem, first, relaxed.getSolution().col_value), relaxed.getInfo(
+                ).objective_function_value / MICROSECONDS, 0.0
     h.setOptionValue("mip_rel_gap", optimality_gap)
-    # Under a memory budget, the LPs of the MIP by interior point (then crossover): the same optimum and proven gap,
-    # reached sooner. Its root solution lets reduced-cost fixing drop more columns once a plan is found (HF Llama
-    # 2x2, 2 layers, the same problem replayed, best of 2: 12.0 s with both rows and option, 59.5 s before either,
-    # HiGHS 1.16.0, same cost; 8 layers under the hand plan's memory: 17.5 s, 31.8 s by simplex). Without a budget
-    # the root LP is the plan (integral) and HiGHS's default dual simplex reaches it sooner (8 layers: 4.8 s,
-    # 9.2 s by interior point; 2 layers: 3.4 s, 5.5 s). A HiGHS without the option refuses it and keeps its
-    # default.
-    if problem.memory is not None:
-        h.setOptionValue("mip_lp_solver", "ipm")
+    # LPs of the MIP by interior point (then crossover): the same optimum and proven gap, reached sooner. Its root
+    # solution lets reduced-cost fixing drop more columns once a plan is found (HF Llama 2x2, 2 layers, the same
+    # problem replayed, best of 2: 12.0 s with both rows and option, 59.5 s before either, HiGHS 1.16.0, same cost;
+    # 8 layers under the hand plan's memory: 17.5 s, 31.8 s by simplex). A HiGHS without the option refuses it and
+    # keeps its default.
+    h.setOptionValue("mip_lp_solver", "ipm")
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         raise PolicyError(where, "<constraints>", str(h.getModelStatus()),
                           "constraints (and a memory budget) that some plan satisfies: HiGHS found none")
-    x = h.getSolution().col_value
-    chosen = []
-    for v, opts in enumerate(problem.options):
-        values_v = [x[first[v] + k] for k in range(len(opts))]
-        chosen.append(int(np.argmax(values_v)))
     info = h.getInfo()
-    return chosen, info.objective_function_value / MICROSECONDS, max(info.mip_gap, 0.0)
+    return _picks(problem, first, h.getSolution().col_value), info.objective_function_value / MICROSECONDS, max(
+        info.mip_gap, 0.0)
+
+
+def _integral_relaxation(h, highspy, choices: int):
+    """A copy of `h` with its first `choices` columns made continuous, its LP solved by dual simplex without
+    presolve; the copy where its optimum is integral (and so the MIP's optimum), else None (`h` is left as it
+    was). Without a memory budget the relaxation is the plan (HF Llama 2x2, 8 layers: its LP solved in 0.5 s with
+    every choice 0 or 1, where the MIP took 9.2 s, its root LP by interior point 7 s of them); under the hand
+    plan's memory its choices are fractional (the budget's knapsack row), so a budgeted model goes to the MIP
+    directly."""
+    relaxed = _quiet_highs(highspy)
+    relaxed.passModel(h.getModel())
+    relaxed.changeColsIntegrality(choices, np.arange(choices),
+                                  np.array([highspy.HighsVarType.kContinuous] * choices))
+    relaxed.setOptionValue("presolve", "off")
+    relaxed.run()
+    if relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    x = np.asarray(relaxed.getSolution().col_value[:choices])
+    return relaxed if np.all(np.abs(x - np.round(x)) <= INTEGRAL) else None
+
+
+def _picks(problem: Problem, first: list[int], x) -> list[int]:
+    """Each option row's chosen candidate in the solution `x`."""
+    return [int(np.argmax([x[first[v] + k] for k in range(len(opts))])) for v, opts in enumerate(problem.options)]
