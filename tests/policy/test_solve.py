@@ -14,6 +14,7 @@ import highspy
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import dtensor_ext.policy.solve as solve_module
 from dtensor_ext.policy import PolicyError
 from dtensor_ext.policy.solve import MICROSECONDS, Problem, _model, solve
 
@@ -139,3 +140,26 @@ def test_the_relaxation_pays_a_reduction_whole_when_an_ops_sending_candidates_sp
     h.changeColsIntegrality(n, list(range(n)), [highspy.HighsVarType.kContinuous] * n)
     h.run()
     assert h.getInfo().objective_function_value / MICROSECONDS == pytest.approx(0.9e-6)
+
+
+
+def test_without_a_budget_the_relaxation_decides_where_integral_and_the_mip_where_not(monkeypatch):
+    """Over the random problems without a budget both ways occur (the enumeration test checks each one's plan): an
+    integral relaxation is returned with gap 0, a fractional one leaves the model to the MIP."""
+    ways = []
+    relaxation = solve_module._integral_relaxation
+
+    def watched(*args):
+        found = relaxation(*args)
+        ways.append(found is not None)
+        return found
+    monkeypatch.setattr(solve_module, "_integral_relaxation", watched)
+    for seed in range(40):
+        problem = replace(_random_problem(seed), memory=None)
+        try:
+            _, _, gap = solve(problem, "test", optimality_gap=0.0)
+        except PolicyError:
+            continue
+        if ways[-1]:
+            assert gap == 0.0
+    assert 0 < sum(ways) < len(ways)
