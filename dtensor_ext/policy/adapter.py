@@ -581,13 +581,21 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
         if tid in graph.params:  # the parameter, its gradient and Adam's two moments, as shards
             held[source_rows[tid]] = [STATE_COPIES * nbytes / _pieces(mesh, p) for p in places]
     edges, readers, copies = [], {}, {}
+    # one pricer per kind of value (shape, dtype, written in place): the solve prices each distinct move of a kind
+    # once, and edges of the same kinds between the same candidates (repeated layers) share their whole block
+    pricers: dict[tuple, Callable] = {}
+
+    def pricer(value: torch.Tensor, inplace: bool = False) -> Callable:
+        kind = (tuple(value.shape), value.dtype, inplace)
+        if kind not in pricers:
+            pricers[kind] = _unmoved(pricer(value)) if inplace else _pricer(value, model, mesh, moves)
+        return pricers[kind]
+
     for node in graph.nodes:
         for slot, tid in enumerate(node.operand_ids):
             readers.setdefault(tid, []).append((node.index, slot))
             u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
-            price = _pricer(graph.tensors[tid], model, mesh, moves)
-            if slot == 0 and is_inplace(node):
-                price = _unmoved(price)
+            price = pricer(graph.tensors[tid], slot == 0 and is_inplace(node))
             if tid in graph.params and memory_budget is not None:  # a moved parameter is saved as a copy
                 copies[len(edges)] = [c.param_saved[slot] if c.param_saved else 0 for c in candidates[node.index]]
             edges.append((u, o, node.index, slot, price))
@@ -596,7 +604,7 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
     for tid in graph.outputs:
         if tid in producers:  # the caller gets full tensors: each output ends replicated
             u, o = producers[tid]
-            edges.append((u, o, sink, 0, _pricer(graph.tensors[tid], model, mesh, moves)))
+            edges.append((u, o, sink, 0, pricer(graph.tensors[tid])))
     names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
     reductions = [(_reduction_s(graph.tensors[tid], model, m), found, m) for tid, found in readers.items()
                   if graph.tensors[tid].is_floating_point() for m in range(mesh.ndim)]

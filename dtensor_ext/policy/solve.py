@@ -10,7 +10,11 @@ exact, so the optimum is the cheapest plan among DTensor's own candidates: no re
 Rows tied by `same_as` (an op of a middle repeated layer and its match in the second layer) share their columns:
 their costs and held bytes add up on the shared columns, and edges that join the same pair of shared rows share one
 transport block (with the choices equal, both blocks would carry the same move), so each tied layer adds nothing to
-the model's size.
+the model's size. Placements are numbered once and each edge's block is laid out once per distinct (pricer,
+producer's candidates, consumer's candidates), so repeated layers are priced once.
+
+Without a memory budget the LP relaxation is solved first: where its optimum is integral (as on the HF models
+measured) it is the plan, proven optimal with no branching; otherwise, and under a budget, HiGHS solves the MIP.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ __all__ = ["EXACT", "Problem", "solve"]
 MICROSECONDS = 1e6
 # HiGHS's default relative optimality gap: no plan is cheaper than the one returned by more than 0.01% of its cost
 EXACT = 1e-4
+# a relaxed choice this close to 0 or 1 counts as integral (HiGHS's own MIP feasibility tolerance)
+INTEGRAL = 1e-6
 
 
 @dataclass
@@ -70,6 +76,82 @@ def _quiet_highs(highspy):
     return h
 
 
+class _Layout:
+    """One edge's transport block, its columns relative to the edge's ends: `outs` maps each output placement
+    the producer's candidates send to those candidates (their indexes), `ins` each (input placement, gradient
+    placement, bytes held when moved) the consumer's candidates read to those candidates; `prices` each possible
+    pair (output, input) to its move's cost, `by_out`/`by_in` the pairs of each output/input in block order, and
+    `copied` the moved pairs that hold bytes. Placements are numbered (`_Layouts.number`), so the keys are ints."""
+
+    def __init__(self, outs: dict, ins: dict, price):
+        self.outs, self.ins = outs, ins
+        self.prices: dict[tuple, float] = {}
+        self.by_out: dict = {p: [] for p in outs}
+        self.by_in: dict = {qg: [] for qg in ins}
+        self.copied: list[tuple] = []
+        for p in outs:
+            for qg in ins:
+                cost = price(p, *qg[:2])
+                if cost is None:  # an impossible move gets no variable: the pair cannot be chosen together
+                    continue
+                pair = (p, qg)
+                self.prices[pair] = cost
+                self.by_out[p].append(pair)
+                self.by_in[qg].append(pair)
+                if qg[2] and p != qg[0]:
+                    self.copied.append((pair, qg[2]))
+
+
+class _Layouts:
+    """Edge layouts made once per distinct (price, producer's outputs, consumer's inputs): the edges of repeated
+    layers (and of tied rows) reuse one, and each price is asked once per distinct (price, p, q, g). Placements
+    are numbered once per option row and slot, so no placement is hashed per pair of candidates."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.numbers: dict = {None: None}  # placements -> number
+        self.placements: dict = {None: None}  # number -> placements
+        self.sent: dict[tuple, tuple] = {}  # (row, output slot) -> number of each candidate's output
+        self.read: dict[tuple, tuple] = {}  # (row, operand slot) -> numbers of each candidate's (input, gradient)
+        self.made: dict[tuple, _Layout] = {}
+        self.prices: dict[tuple, float | None] = {}
+
+    def number(self, placements) -> int | None:
+        found = self.numbers.get(placements)
+        if found is None and placements is not None:
+            found = self.numbers[placements] = len(self.numbers)
+            self.placements[found] = placements
+        return found
+
+    def of(self, e: int, u: int, slot_out: int, v: int, slot_in: int, price) -> _Layout:
+        sent = self.sent.get((u, slot_out))
+        if sent is None:
+            sent = self.sent[u, slot_out] = tuple(self.number(o[1][slot_out]) for o in self.problem.options[u])
+        read = self.read.get((v, slot_in))
+        if read is None:
+            read = self.read[v, slot_in] = tuple((self.number(o[0][slot_in]), self.number(o[2][slot_in]))
+                                                 for o in self.problem.options[v])
+        copies = self.problem.copies.get(e)
+        wanted = tuple((q, g, copies[k] if copies else 0) for k, (q, g) in enumerate(read))
+        key = (price, sent, wanted)
+        layout = self.made.get(key)
+        if layout is None:
+            outs: dict = {}
+            for k, p in enumerate(sent):
+                outs.setdefault(p, []).append(k)
+            ins: dict = {}
+            for k, qg in enumerate(wanted):
+                ins.setdefault(qg, []).append(k)
+            layout = self.made[key] = _Layout(outs, ins, lambda p, q, g: self._price(price, p, q, g))
+        return layout
+
+    def _price(self, price, p: int, q: int, g: int | None) -> float | None:
+        key = (price, p, q, g)
+        if key not in self.prices:
+            self.prices[key] = price(self.placements[p], self.placements[q], self.placements[g])
+        return self.prices[key]
+
+
 def _model(problem: Problem, highspy):
     """The HiGHS model of `problem` (costs in microseconds; the choice columns binary, the rest continuous) and the
     first column of each option row (a tied row's are its leader's)."""
@@ -91,42 +173,26 @@ def _model(problem: Problem, highspy):
             rows.append((1.0, list(range(first[v], first[v] + len(opts))), [1.0] * len(opts)))
     copied: dict[int, float] = {}  # transport column -> bytes a rank holds when that move is chosen
     shared_blocks: dict[tuple, dict] = {}  # (producer row, slot, consumer row, slot) after ties -> its block
+    layouts = _Layouts(problem)
     for e, (u, slot_out, v, slot_in, price) in enumerate(problem.edges):
-        outs: dict = {}
-        for k, o in enumerate(problem.options[u]):
-            outs.setdefault(o[1][slot_out], []).append(first[u] + k)
-        ins: dict = {}
-        copies = problem.copies.get(e)
-        for k, o in enumerate(problem.options[v]):
-            ins.setdefault((o[0][slot_in], o[2][slot_in], copies[k] if copies else 0),
-                           []).append(first[v] + k)
-        prices = {}
-        for p in outs:
-            for q, g, nbytes in ins:
-                cost = price(p, q, g)
-                if cost is not None:  # an impossible move gets no variable: the pair cannot be chosen together
-                    prices[p, (q, g, nbytes)] = cost
+        layout = layouts.of(e, u, slot_out, v, slot_in, price)
         key = (problem.same_as.get(u, u), slot_out, problem.same_as.get(v, v), slot_in)
         block = shared_blocks.get(key)
-        shared = block is not None and block.keys() == prices.keys()
+        shared = block is not None and block.keys() == layout.prices.keys()
         if not shared:
-            block = {pair: len(costs) + i for i, pair in enumerate(prices)}
+            block = {pair: len(costs) + i for i, pair in enumerate(layout.prices)}
             costs += [0.0] * len(block)
             shared_blocks.setdefault(key, block)
-        for pair, cost in prices.items():
-            column = block[pair]
-            costs[column] += cost
-            p, (q, _, nbytes) = pair
-            if nbytes and p != q:
-                copied[column] = copied.get(column, 0.0) + nbytes
+        for pair, cost in layout.prices.items():
+            costs[block[pair]] += cost
+        for pair, nbytes in layout.copied:
+            copied[block[pair]] = copied.get(block[pair], 0.0) + nbytes
         if shared:
             continue
-        for p, columns in outs.items():
-            ys = [block[p, qg] for qg in ins if (p, qg) in block]
-            rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
-        for qg, columns in ins.items():
-            ys = [block[p, qg] for p in outs if (p, qg) in block]
-            rows.append((0.0, ys + columns, [1.0] * len(ys) + [-1.0] * len(columns)))
+        for ends, by_end, at in ((layout.outs, layout.by_out, first[u]), (layout.ins, layout.by_in, first[v])):
+            for end, ks in ends.items():
+                ys = [block[pair] for pair in by_end[end]]
+                rows.append((0.0, ys + [at + k for k in ks], [1.0] * len(ys) + [-1.0] * len(ks)))
     for cost, readers, m in problem.reductions:
         # per reader (tied readers by their leader's row, whose columns they share): its candidates that send a
         # Partial gradient back through the slot on mesh dim m
@@ -174,20 +240,47 @@ def solve(problem: Problem, where: str, optimality_gap: float = EXACT) -> tuple[
     import highspy
 
     h, first = _model(problem, highspy)
+    if problem.memory is None:
+        relaxed = _integral_relaxation(h, highspy, max(first[v] + len(opts) for v, opts in enumerate(problem.options)))
+        if relaxed is not None:
+            # the LP's optimum is a plan: no plan is cheaper than the relaxation's optimum, so it is the MIP's (gap 0)
+            return _picks(problem, first, relaxed.getSolution().col_value), relaxed.getInfo(
+                ).objective_function_value / MICROSECONDS, 0.0
     h.setOptionValue("mip_rel_gap", optimality_gap)
     # LPs of the MIP by interior point (then crossover): the same optimum and proven gap, reached sooner. Its root
     # solution lets reduced-cost fixing drop more columns once a plan is found (HF Llama 2x2, 2 layers, the same
-    # problem replayed, best of 2: 12.0 s with both rows and option, 59.5 s before either, HiGHS 1.16.0, same cost).
-    # A HiGHS without the option refuses it and keeps its default.
+    # problem replayed, best of 2: 12.0 s with both rows and option, 59.5 s before either, HiGHS 1.16.0, same cost;
+    # 8 layers under the hand plan's memory: 17.5 s, 31.8 s by simplex). A HiGHS without the option refuses it and
+    # keeps its default.
     h.setOptionValue("mip_lp_solver", "ipm")
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         raise PolicyError(where, "<constraints>", str(h.getModelStatus()),
                           "constraints (and a memory budget) that some plan satisfies: HiGHS found none")
-    x = h.getSolution().col_value
-    chosen = []
-    for v, opts in enumerate(problem.options):
-        values_v = [x[first[v] + k] for k in range(len(opts))]
-        chosen.append(int(np.argmax(values_v)))
     info = h.getInfo()
-    return chosen, info.objective_function_value / MICROSECONDS, max(info.mip_gap, 0.0)
+    return _picks(problem, first, h.getSolution().col_value), info.objective_function_value / MICROSECONDS, max(
+        info.mip_gap, 0.0)
+
+
+def _integral_relaxation(h, highspy, choices: int):
+    """A copy of `h` with its first `choices` columns made continuous, its LP solved by dual simplex without
+    presolve; the copy where its optimum is integral (and so the MIP's optimum), else None (`h` is left as it
+    was). Without a memory budget the relaxation is the plan (HF Llama 2x2, 8 layers: its LP solved in 0.5 s with
+    every choice 0 or 1, where the MIP took 9.2 s, its root LP by interior point 7 s of them); under the hand
+    plan's memory its choices are fractional (the budget's knapsack row), so a budgeted model goes to the MIP
+    directly."""
+    relaxed = _quiet_highs(highspy)
+    relaxed.passModel(h.getModel())
+    relaxed.changeColsIntegrality(choices, np.arange(choices),
+                                  np.array([highspy.HighsVarType.kContinuous] * choices))
+    relaxed.setOptionValue("presolve", "off")
+    relaxed.run()
+    if relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    x = np.asarray(relaxed.getSolution().col_value[:choices])
+    return relaxed if np.all(np.abs(x - np.round(x)) <= INTEGRAL) else None
+
+
+def _picks(problem: Problem, first: list[int], x) -> list[int]:
+    """Each option row's chosen candidate in the solution `x`."""
+    return [int(np.argmax([x[first[v] + k] for k in range(len(opts))])) for v, opts in enumerate(problem.options)]

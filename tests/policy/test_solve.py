@@ -6,12 +6,15 @@ gradient reduction whole when the fractional choices split over an op's sending 
 from __future__ import annotations
 
 import itertools
+import math
 import random
+from dataclasses import replace
 
 import highspy
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import dtensor_ext.policy.solve as solve_module
 from dtensor_ext.policy import PolicyError
 from dtensor_ext.policy.solve import MICROSECONDS, Problem, _model, solve
 
@@ -37,24 +40,28 @@ def _random_problem(seed: int) -> Problem:
     options[4] = [(((inputs[0]),), outputs, (grads[0],), cost)
                   for inputs, outputs, grads, cost in options[1]]
     options[5] = list(options[2])
-    tables: dict = {}
+    pricers: dict = {}
 
     def pricer(key):
-        table = tables.setdefault(key, {})
+        """One callable per key, as build_plan gives one per kind of value: the solve lays out a block once per
+        (pricer, candidates) and prices each move once per pricer."""
+        if key not in pricers:
+            table = {}
 
-        def price(p, q, g):
-            if (p, q, g) not in table:
-                table[p, q, g] = 0.0 if p == q else None if rng.random() < 0.2 else rng.uniform(0, 1e-5)
-            return table[p, q, g]
-        return price
+            def price(p, q, g):
+                if (p, q, g) not in table:
+                    table[p, q, g] = 0.0 if p == q else None if rng.random() < 0.2 else rng.uniform(0, 1e-5)
+                return table[p, q, g]
+            pricers[key] = price
+        return pricers[key]
 
     edges, copies = [], {}
     for v, producers in reads.items():
         for slot, u in enumerate(producers):
             if rng.random() < 0.3:
                 copies[len(edges)] = [rng.choice([0, 64, 256]) for _ in options[v]]
-            # the tied pair's edges price alike, as repeated layers do
-            edges.append((u, 0, v, slot, pricer({(4, 5): (1, 2)}.get((u, v), (u, v)))))
+            # the tied pair's edges price alike, as repeated layers do, and so do the two edges that row 0 feeds
+            edges.append((u, 0, v, slot, pricer({(4, 5): (1, 2), (0, 2): (0, 1)}.get((u, v), (u, v)))))
     readers = [(v, slot) for v, producers in reads.items() for slot in range(len(producers))]
     reductions = [(rng.uniform(1e-6, 8e-6), rng.sample(readers, rng.randint(1, 3)), 0) for _ in range(3)]
     held = {v: [rng.choice([100, 400, 1600]) for _ in options[v]] for v in range(6)}
@@ -94,10 +101,15 @@ def _cost_and_bytes(problem: Problem, held: dict, picks) -> tuple[float, float] 
     return cost, nbytes
 
 
+@pytest.mark.parametrize("budget", [True, False], ids=["budget", "no-budget"])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_solve_finds_the_cheapest_plan_that_enumeration_finds(seed):
+def test_the_solve_finds_the_cheapest_plan_that_enumeration_finds(seed, budget):
+    """Without a budget the solve first tries the LP relaxation (returned where it is integral), else the MIP."""
     problem = _random_problem(seed)
     cap, held = problem.memory
+    if not budget:
+        problem = replace(problem, memory=None)
+        cap = math.inf
     affordable = [cost for cost, nbytes in _every_plan(problem, held) if nbytes <= cap]
     if not affordable:
         with pytest.raises(PolicyError, match="Infeasible"):
@@ -128,3 +140,26 @@ def test_the_relaxation_pays_a_reduction_whole_when_an_ops_sending_candidates_sp
     h.changeColsIntegrality(n, list(range(n)), [highspy.HighsVarType.kContinuous] * n)
     h.run()
     assert h.getInfo().objective_function_value / MICROSECONDS == pytest.approx(0.9e-6)
+
+
+
+def test_without_a_budget_the_relaxation_decides_where_integral_and_the_mip_where_not(monkeypatch):
+    """Over the random problems without a budget both ways occur (the enumeration test checks each one's plan): an
+    integral relaxation is returned with gap 0, a fractional one leaves the model to the MIP."""
+    ways = []
+    relaxation = solve_module._integral_relaxation
+
+    def watched(*args):
+        found = relaxation(*args)
+        ways.append(found is not None)
+        return found
+    monkeypatch.setattr(solve_module, "_integral_relaxation", watched)
+    for seed in range(40):
+        problem = replace(_random_problem(seed), memory=None)
+        try:
+            _, _, gap = solve(problem, "test", optimality_gap=0.0)
+        except PolicyError:
+            continue
+        if ways[-1]:
+            assert gap == 0.0
+    assert 0 < sum(ways) < len(ways)
