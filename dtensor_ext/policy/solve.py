@@ -19,6 +19,7 @@ measured) it is the plan, proven optimal with no branching; otherwise, and under
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -255,11 +256,39 @@ def solve(problem: Problem, where: str, optimality_gap: float = EXACT) -> tuple[
     h.setOptionValue("mip_lp_solver", "ipm")
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        leanest = _leanest(h, highspy) if problem.memory is not None else None
+        if leanest is not None:
+            least, found = leanest
+            raise PolicyError(where, "memory_budget", f"{problem.memory[0]:,} B per rank",
+                              f"at least {least:,} B per rank: no plan these constraints allow holds less "
+                              f"(parameters, gradients, optimizer state and saved activations; the leanest plan "
+                              f"found holds {found:,} B)")
         raise PolicyError(where, "<constraints>", str(h.getModelStatus()),
                           "constraints (and a memory budget) that some plan satisfies: HiGHS found none")
     info = h.getInfo()
     return _picks(problem, first, h.getSolution().col_value), info.objective_function_value / MICROSECONDS, max(
         info.mip_gap, 0.0)
+
+
+def _leanest(h, highspy, time_limit_s: float = 60.0) -> tuple[int, int] | None:
+    """Where `h` (with a memory budget, its last row) has no plan: (bytes per rank no plan can hold less than, as
+    HiGHS proved it, rounded up; the bytes the leanest plan it found holds), from the same model with the budget's
+    row as the objective and no cap; None where no plan meets the constraints whatever the budget."""
+    leanest = _quiet_highs(highspy)
+    leanest.passModel(h.getModel())
+    cap_row = leanest.getNumRow() - 1
+    _, _, _, _, nonzeros = leanest.getRows(1, np.array([cap_row]))
+    _, starts, columns, bytes_held = leanest.getRowsEntries(1, np.array([cap_row]))
+    n = leanest.getNumCol()
+    leanest.changeColsCost(n, np.arange(n), np.zeros(n))
+    leanest.changeColsCost(nonzeros, columns[:nonzeros], bytes_held[:nonzeros])
+    leanest.changeRowBounds(cap_row, 0.0, highspy.kHighsInf)
+    leanest.setOptionValue("time_limit", time_limit_s)
+    leanest.run()
+    if leanest.getInfo().primal_solution_status != int(highspy.SolutionStatus.kSolutionStatusFeasible):
+        return None  # no plan at all
+    info = leanest.getInfo()
+    return math.ceil(info.mip_dual_bound - 1e-6), round(info.objective_function_value)
 
 
 def _integral_relaxation(h, highspy, choices: int):

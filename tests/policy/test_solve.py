@@ -124,6 +124,26 @@ def test_the_solve_finds_the_cheapest_plan_that_enumeration_finds(seed, budget):
     assert cost == pytest.approx(min(affordable), rel=1e-9, abs=1e-15)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_budget_below_every_plan_is_refused_with_the_least_any_plan_holds(seed):
+    """One byte under the leanest plan (found by enumeration): a PolicyError on `memory_budget` that names that
+    plan's bytes as the least any plan holds; at exactly those bytes, a plan. Where no plan exists whatever the
+    budget, the error is the constraints'."""
+    problem = _random_problem(seed)
+    _, held = problem.memory
+    footprints = [nbytes for _, nbytes in _every_plan(problem, held)]
+    if not footprints:
+        with pytest.raises(PolicyError, match=r"^test: field '<constraints>' got .*Infeasible"):
+            solve(problem, "test")
+        return
+    least = min(footprints)
+    with pytest.raises(PolicyError, match=rf"^test: field 'memory_budget' got '{least - 1:,} B per rank'; expected at "
+                                          rf"least {least:,} B per rank: .* leanest plan found holds {least:,} B\)$"):
+        solve(replace(problem, memory=(least - 1, held)), "test")
+    picks, _, _ = solve(replace(problem, memory=(least, held)), "test")
+    assert _cost_and_bytes(problem, held, picks)[1] == least
+
+
 def test_the_relaxation_pays_a_reduction_whole_when_an_ops_sending_candidates_split_it():
     """An op with two candidates that send a Partial gradient (free) and one that does not (0.9 us): the cheapest
     plan pays 0.9 us. Bounding the payment by each sending candidate alone lets the LP relaxation take both at 1/2
