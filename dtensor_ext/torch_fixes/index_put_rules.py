@@ -2,8 +2,8 @@
 
 torch 2.11 has no strategy for `aten.index_put_` at all (every MoE model stops at "does not have a sharding strategy
 registered"), and its strategy for `aten.index_put` / `aten._index_put_impl_` lets `self` stay sharded on a dim the
-indices address: it shards `values` the same way, so each rank writes its slice of the values at global positions
-into its local shard: a shape error where the sizes differ, a wrong result where they match. 2.12+ register one
+indices address: it shards `values` the same way while the indices stay replicated, so each rank's slice of the
+values meets every global position: a shape mismatch on every rank. 2.12+ register one
 single-dim rule for the three ops that keeps every indexed dim of `self` whole. Here the three are given such a rule:
 `self` and `values` split alike along a dim of `self` no index touches (the dim `values` has for it in the indexing
 result; a broadcast size-1 or missing dim of `values` is replicated), indices replicated; or `self`, `values` and the
@@ -35,8 +35,9 @@ def index_put_rule(op, args, kwargs):
     self, indices, values = args[:3]
     indexed, rank, insert = _index_layout(self, indices)
     present = [Replicate() for _ in indexed]
-    v_ndim = len(values.shape)
-    rows = [[S(d), S(d), *present, _follow_result_dim(values, _result_dim_of_self(d, indexed, rank, insert), v_ndim)]
+    result_ndim = len(self.shape) - len(indexed) + rank  # values broadcast against self[indices]
+    rows = [[S(d), S(d), *present,
+             _follow_result_dim(values, _result_dim_of_self(d, indexed, rank, insert), result_ndim)]
             for d in range(len(self.shape)) if d not in indexed]
     rows.append([Partial("sum"), Partial("sum"), *present, Partial("sum")])
     return rows
@@ -61,7 +62,7 @@ def _misplaces_self(op) -> bool:
     "index_put strategies",
     ops=tuple(_compat.torch_op_names(op)[0] for op in _OPS),
     why="index_put_ has no sharding strategy (every MoE model's routing stops there) and index_put keeps self "
-    "sharded on an indexed dim, writing values at global positions into local shards (torch 2.11)",
+    "sharded on an indexed dim, then fails on a shape mismatch (torch 2.11)",
 )
 def fix_index_put_rules():
     faulty = [op for op in _OPS if _misplaces_self(op)]
