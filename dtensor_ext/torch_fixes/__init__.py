@@ -60,7 +60,7 @@ def declared_fixes() -> dict[str, TorchFix]:
         infeasible_choice, inplace_clamp, inplace_copy, inplace_shift, list_indices, logsumexp_keepdim, losses,
         index_put_rules, mask_partial_pointwise, mask_partial_reads, mask_partial_views, mean_as_sum, pad_mesh_dims, partial_fill,
         pinv_tolerances, replicate_first,
-        searchsorted_sorter, segment_reduce, shard_to_partial, batched_solves, uneven_rules, uneven_views, static_args, inplace_squeeze,
+        searchsorted_sorter, segment_reduce, selection_backward, shard_to_partial, batched_solves, uneven_rules, uneven_views, static_args, inplace_squeeze,
     )
 
     return dict(_FIXES)
