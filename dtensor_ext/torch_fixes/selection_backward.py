@@ -36,8 +36,8 @@ def _scatter_onto_plain(op_call, args, kwargs):
 @functools.cache
 def _selection_backward_fails() -> bool:
     """Feature check: the backward of `x.max(dim=1).values.sum()` for a replicated [2, 3] DTensor on a 2-rank probe
-    mesh, run as rank 0 (nothing needs moving), raises."""
-    with _compat.probing_dtensor_ops():
+    mesh, run as rank 0 (nothing needs moving), raises (grad mode on: install() may run under no_grad)."""
+    with _compat.probing_dtensor_ops(), torch.enable_grad():
         x = _compat.probe_dtensor(torch.zeros(2, 3), (Replicate(),), (2, 3)).requires_grad_()
         try:
             x.max(dim=1).values.sum().backward()
