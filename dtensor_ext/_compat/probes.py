@@ -17,7 +17,7 @@ import torch
 from torch._ops import OpOverload
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtensor_ext._compat.propagation import clear_sharding_caches, propagate_cold, propagator
@@ -138,13 +138,16 @@ def propagates(op: OpOverload, args: tuple, kwargs: dict | None = None) -> bool:
     return output_placements(op, args, kwargs) is not None
 
 
-def output_placements(op: OpOverload, args: tuple, kwargs: dict | None = None) -> tuple | None:
+def output_placements(op: OpOverload, args: tuple, kwargs: dict | None = None, *,
+                      schema_info: RuntimeSchemaInfo | None = None) -> tuple | None:
     """The placements torch's sharding propagation (both caches bypassed) gives `op`'s first output for `args`
-    (tensor arguments as DTensorSpecs); None where it refuses (a RuntimeError, an assertion, or 2.13's ValueError
-    for output specs that do not match the op's outputs)."""
+    (tensor arguments as DTensorSpecs; `schema_info` as the dispatch would pass it, needed where `args` nest specs
+    in a list); None where it refuses (a RuntimeError, an assertion, or 2.13's ValueError for output specs that do
+    not match the op's outputs)."""
     try:
         with outside_simulated_ranks():
-            output = propagate_cold(OpSchema(op, tuple(args), dict(kwargs or {}))).output_spec
+            schema = OpSchema(op, tuple(args), dict(kwargs or {}), schema_info=schema_info)
+            output = propagate_cold(schema).output_spec
     except (RuntimeError, AssertionError, KeyError, ValueError):
         return None
     return (output[0] if isinstance(output, (tuple, list)) else output).placements

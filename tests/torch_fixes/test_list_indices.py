@@ -6,7 +6,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import dtensor_ext
-from dtensor_ext import _compat
 from dtensor_ext.testing import sample_tensor, simulated_mesh
 from dtensor_ext.testing.mesh import place_dtensor
 
@@ -40,22 +39,6 @@ def test_torch_alone_refuses_a_list_of_two_ints_where_the_check_finds_it(fixed_o
         torch.testing.assert_close(dx[[1, 2]].full_tensor(), x[[1, 2]])
 
 
-# torch 2.11 has no strategy for the in-place index_put_ (x[i] = v): assignment through any tensor index fails there,
-# with the fix or without it
-TORCH_SHARDS_INDEX_PUT_ = (
-    _compat.torch_strategy_kind(torch.ops.aten.index_put_.default) in _compat.DIRECT_STRATEGY_KINDS
-)
-
-
-def _assign(target, index, value) -> None:
-    """target[index] = value; where torch cannot shard index_put_, check that it says so instead."""
-    if TORCH_SHARDS_INDEX_PUT_:
-        target[index] = value
-        return
-    with pytest.raises(NotImplementedError, match="index_put_.default does not have a sharding strategy"):
-        target[index] = value
-
-
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_list_indices_give_the_one_device_result(restore_install, mesh_shape):
     dtensor_ext.install()
@@ -77,9 +60,8 @@ def test_assignment_and_gradient_through_a_list_index(restore_install):
     x_ref[[0, 0, 4]].sum().backward()
     with simulated_mesh((2,)) as mesh:
         dx = distribute_tensor(x.clone(), mesh, [Shard(1)])
-        _assign(dx, [3, 1], distribute_tensor(value, mesh, [Replicate()]))
-        if TORCH_SHARDS_INDEX_PUT_:
-            torch.testing.assert_close(dx.full_tensor(), expected)
+        dx[[3, 1]] = distribute_tensor(value, mesh, [Replicate()])  # index_put_: torch 2.11's by the index_put fix
+        torch.testing.assert_close(dx.full_tensor(), expected)
         leaf = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
         leaf[[0, 0, 4]].sum().backward()
         torch.testing.assert_close(leaf.grad.full_tensor(), x_ref.grad)
@@ -118,6 +100,5 @@ def test_a_plain_tensor_index_or_value_is_taken_as_replicated(fixed_ops, restore
                 continue
             torch.testing.assert_close(dx[index].full_tensor(), x[index])
             torch.testing.assert_close(dx[index, index].full_tensor(), x[index, index])
-            _assign(dinverse, dperm, torch.arange(5))
-            if TORCH_SHARDS_INDEX_PUT_:
-                torch.testing.assert_close(dinverse.full_tensor(), inverse)
+            dinverse[dperm] = torch.arange(5)
+            torch.testing.assert_close(dinverse.full_tensor(), inverse)
