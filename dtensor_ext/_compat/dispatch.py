@@ -79,8 +79,11 @@ def set_custom_op_handler(op: OpOverload, handler: Callable | None) -> Callable 
 def propagate_and_redistribute(op_call: OpOverload, args: tuple, kwargs: dict) -> tuple[Any, Any, OpSchema]:
     """What DTensor's generic dispatch does before running the local kernel, for handlers that run their own.
 
-    Returns (op_info with the redistributed local args, output sharding, the input schema the kernel runs on).
+    Returns (op_info with the redistributed local args, as the kernel takes them: an op whose tensors sit in lists,
+    e.g. `index_put`'s indices, gets its lists back; output sharding, the input schema the kernel runs on).
     """
+    from torch.utils import _pytree as pytree
+
     dispatcher = DTensor._op_dispatcher
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
@@ -91,6 +94,8 @@ def propagate_and_redistribute(op_call: OpOverload, args: tuple, kwargs: dict) -
             op_info, sharding.redistribute_schema, sharding.use_val_from_redistribute_schema
         )
         schema = sharding.redistribute_schema
+    if op_info.args_tree_spec is not None:
+        op_info.local_args = tuple(pytree.tree_unflatten(list(op_info.local_args), op_info.args_tree_spec))
     return op_info, sharding, schema
 
 

@@ -58,9 +58,10 @@ def declared_fixes() -> dict[str, TorchFix]:
         allclose, fft_linearity, attention_bias, attention_empty_shards, attention_layout, attention_mask,
         conv_handlers, copy_variants, embedding_renorm, embedding_rows, empty_shards, empty_views, grouped_mm_meta,
         infeasible_choice, inplace_clamp, inplace_copy, inplace_shift, list_indices, logsumexp_keepdim, losses,
-        index_put_rules, mask_partial_pointwise, mask_partial_reads, mask_partial_views, mean_as_sum, pad_mesh_dims,
-        partial_fill, pinv_tolerances, replicate_first, searchsorted_sorter, segment_reduce, selection_backward,
-        shard_to_partial, batched_solves, uneven_rules, uneven_views, static_args, inplace_squeeze,
+        index_put_rules, index_put_backward, mask_partial_pointwise, mask_partial_reads, mask_partial_views,
+        mean_as_sum, pad_mesh_dims, partial_fill, pinv_tolerances, replicate_first, searchsorted_sorter,
+        segment_reduce, selection_backward, shard_to_partial, batched_solves, uneven_rules, uneven_views, static_args,
+        inplace_squeeze,
     )
 
     return dict(_FIXES)
