@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
 from dtensor_ext.policy.constraints import Constraint, load_constraints
@@ -87,6 +87,7 @@ class OpChoice:
     outputs: tuple[tuple, ...]
     local: bool = False  # DTensor has no way to run it: it runs replicated on plain tensors
     moves: list[str] = field(default_factory=list)  # the redistributions of its inputs, described
+    grads: tuple = ()  # each operand's gradient placements as the solve priced them (None: no gradient)
 
 
 @dataclass
@@ -124,11 +125,18 @@ class Plan:
         for each move)."""
         return _forward_steps(_moves(self), self._returned())
 
+    def backward_collectives(self) -> list[tuple[str, int]]:
+        """(kind, bytes the busiest rank receives) of each collective the solve priced for the backward: each
+        gradient moved back to its value's placements (as `_pricer` prices the edge), then each Partial gradient
+        reduced once per value and mesh dim."""
+        return [(step.kind, max(step.recv_bytes)) for _, _, taken in _backward_moves(self) for step in taken]
+
     def __str__(self) -> str:
         from dtensor_ext.policy.styles import held_placements, proven_styles
 
         moves, returned = _moves(self), self._returned()
         steps = _forward_steps(moves, returned)
+        back = [step for _, _, taken in _backward_moves(self) for step in taken]
         followers = Counter(self.shared_layers.values())
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
@@ -136,7 +144,12 @@ class Plan:
                  f"planned in {self.planning_s:.2f} s"
                  f"{''.join(f'; {n} repeated layers run the choices of {leader}' for leader, n in followers.items())}",
                  f"  forward redistributions: {len(steps)} collectives, "
-                 f"{sum(nbytes for _, nbytes in steps):,} B received per rank (the busiest)"]
+                 f"{sum(nbytes for _, nbytes in steps):,} B received per rank (the busiest)",
+                 f"  backward redistributions: {len(back)} collectives, "
+                 f"{sum(max(s.recv_bytes) for s in back):,} B received per rank (the busiest)"]
+        back_by_op: dict[int, list] = {}
+        for where, what, taken in _backward_moves(self):
+            back_by_op.setdefault(where, []).append((what, taken))
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
         lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
         lines += [f"    {fqn}: {_fmt(p)}" for fqn, p in sharded.items()]
@@ -151,6 +164,8 @@ class Plan:
                     shape = list(self.graph.tensors[op.node.operand_ids[slot]].shape)
                     lines.append(f"      input {slot} ({what}, {shape}): {_fmt(held)} -> {_fmt(target)}: "
                                  f"{_steps(taken, held)}")
+                for what, taken in back_by_op.get(op.node.index, []):
+                    lines.append(f"      backward {what}: {_steps(taken, ())}")
         if returned:
             lines.append("  outputs (the caller gets full tensors):")
             for tid, taken in returned.items():
@@ -219,6 +234,37 @@ def _moves(plan: Plan) -> dict[int, list[tuple]]:
             what = f"%{producer.index}" if producer is not None else plan.graph.params.get(tid, "input")
             taken = [] if source == target else _collectives(plan.mesh, plan.graph.tensors[tid], source, target)
             found[op.node.index].append((slot, what, held, target, taken))
+    return found
+
+
+def _backward_moves(plan: Plan) -> list[tuple[int, str, list]]:
+    """The backward's collectives as the solve prices them: per edge, (reader op, what, the collectives moving the
+    gradient back to the value's placements, its Partial mesh dims left to the reduction), then per value and mesh
+    dim where a chosen reader sends a Partial gradient, (the first such reader, what, the reduction of the whole
+    value)."""
+    from dtensor_ext.policy.styles import held_placements
+
+    found, partial_dims = [], {}
+    for op in plan.ops:
+        for slot, tid in enumerate(op.node.operand_ids):
+            value = plan.graph.tensors[tid]
+            g = op.grads[slot] if slot < len(op.grads) else None
+            if g is None or not value.is_floating_point():
+                continue
+            held = held_placements(plan, tid)
+            back_to = tuple(Replicate() if x.is_partial() else x for x in held)
+            src = tuple(b if x.is_partial() else x for x, b in zip(g, back_to))
+            for m, x in enumerate(g):
+                if x.is_partial():
+                    partial_dims.setdefault((tid, m), op.node.index)
+            taken = [] if src == back_to else _collectives(plan.mesh, value, src, back_to)
+            if taken:  # a local cut moves nothing: not listed
+                found.append((op.node.index, f"gradient of input {slot}: {_fmt(src)} -> {_fmt(back_to)}", taken))
+    for (tid, m), reader in partial_dims.items():
+        value, replicate = plan.graph.tensors[tid], (Replicate(),) * plan.mesh.ndim
+        src = tuple(Partial() if d == m else Replicate() for d in range(plan.mesh.ndim))
+        found.append((reader, f"reduce the Partial gradient of {list(value.shape)} on mesh dim {m}",
+                      _collectives(plan.mesh, value, src, replicate)))
     return found
 
 
@@ -545,7 +591,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
     ops = []
     for node in graph.nodes:
         chosen = candidates[node.index][picks[node.index]]
-        op = OpChoice(node, chosen.inputs, chosen.outputs, node.index in local)
+        op = OpChoice(node, chosen.inputs, chosen.outputs, node.index in local, grads=chosen.grads)
         for slot, tid in enumerate(node.operand_ids):
             u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
             here = problem.options[u][picks[u]][1][o]

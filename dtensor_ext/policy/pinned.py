@@ -85,7 +85,7 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
             raise PolicyError(where, "inputs/outputs", f"{inputs} -> {outputs}",
                               f"placements DTensor runs {node.signature} at without communicating, on the whole "
                               f"mesh (combining what it runs per dim, {' | '.join(runs)})")
-        choices.append(OpChoice(node, match.inputs, match.outputs))
+        choices.append(OpChoice(node, match.inputs, match.outputs, grads=match.grads))
     modelled = data.get("modelled_us", 0.0)
     if not isinstance(modelled, (int, float)) or isinstance(modelled, bool):
         raise PolicyError(origin, "modelled_us", modelled, "a number (the plan's modelled step time)")

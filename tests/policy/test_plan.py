@@ -142,6 +142,7 @@ def test_printed_plan_lists_collectives_bytes_and_styles():
     assert printed.splitlines()[0].startswith("Plan for Pair on mesh (4,): 3 ops, modelled ")
     assert_expected_inline("\n".join(printed.splitlines()[1:]), """\
   forward redistributions: 2 collectives, 3,072 B received per rank (the busiest)
+  backward redistributions: 1 collectives, 1,536 B received per rank (the busiest)
   parameters (3 of 4 sharded):
     fc1.weight: (S(0))
     fc1.bias: (S(0))
@@ -152,6 +153,7 @@ def test_printed_plan_lists_collectives_bytes_and_styles():
       input 0 (%0, [4, 8, 16]): (S(2)) -> (R): all_gather 1,536 B
     %2 torch.nn.functional.linear in fc2: in (S(2)), (S(1)), (R) -> out (P)
       input 0 (%1, [4, 8, 16]): (R) -> (S(2)): no collective (a local cut)
+      backward gradient of input 0: (S(2)) -> (R): all_gather 1,536 B
   outputs (the caller gets full tensors):
     %2 [4, 8, 8]: (P) -> (R): all_reduce 1,536 B
   ParallelStyles (2 modules, proven, applied by parallelize):

@@ -29,7 +29,7 @@ SHARDED_FEATURES = """\
 """
 
 
-def test_forward_runs_exactly_the_printed_collectives():
+def test_forward_and_backward_run_exactly_the_listed_collectives():
     reference, model = hf_zoo.tiny_model("llama"), hf_zoo.tiny_model("llama")
     ids, labels = hf_zoo.sample_batch()
     expected = reference(ids, labels=labels)
@@ -46,7 +46,36 @@ def test_forward_runs_exactly_the_printed_collectives():
         assert sum(ran.received_bytes.values()) == sum(nbytes for _, nbytes in printed)
         assert plan.deviations == []
         out = model(ids, labels=labels)
-        out.loss.backward()
+        listed = plan.backward_collectives()
+        with CommStatsMode() as comm:
+            out.loss.backward()
+        ran = comm.stats  # the backward's collectives only: the forward ran before the mode
+        assert dict(ran.collectives) == dict(Counter(kind for kind, _ in listed)) == {"all_gather": 5,
+                                                                                       "all_reduce": 4}, str(plan)
+        assert dict(ran.received_bytes) == {kind: sum(b for k, b in listed if k == kind) for kind in ran.collectives}
+        assert f"backward redistributions: {len(listed)} collectives" in str(plan)
+        assert_every_rank_matches(out.loss, expected.loss)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert_every_rank_matches(p.grad, q.grad)
+
+
+def test_moe_backward_runs_exactly_the_listed_collectives_on_2x2():
+    reference, model = hf_zoo.tiny_model("mixtral"), hf_zoo.tiny_model("mixtral")
+    ids, labels = hf_zoo.sample_batch()
+    args = (ids, None, None, None, None, labels)
+    expected = reference(ids, labels=labels)
+    expected.loss.backward()
+    with simulated_mesh((2, 2)) as mesh:
+        plan = build_plan(model, mesh, args, constraints=SHARDED_FEATURES)
+        listed = plan.backward_collectives()
+        parallelize(model, mesh, args, plan=plan)
+        out = model(ids, labels=labels)
+        with CommStatsMode() as comm:
+            out.loss.backward()
+        ran = comm.stats
+        assert listed, str(plan)
+        assert dict(ran.collectives) == dict(Counter(kind for kind, _ in listed)), str(plan)
+        assert dict(ran.received_bytes) == {kind: sum(b for k, b in listed if k == kind) for kind in ran.collectives}
         assert_every_rank_matches(out.loss, expected.loss)
         for p, q in zip(model.parameters(), reference.parameters()):
             assert_every_rank_matches(p.grad, q.grad)
