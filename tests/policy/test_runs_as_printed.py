@@ -50,8 +50,10 @@ def test_forward_and_backward_run_exactly_the_listed_collectives():
         with CommStatsMode() as comm:
             out.loss.backward()
         ran = comm.stats  # the backward's collectives only: the forward ran before the mode
-        assert dict(ran.collectives) == dict(Counter(kind for kind, _ in listed)) == {"all_gather": 5,
-                                                                                       "all_reduce": 4}, str(plan)
+        assert dict(ran.collectives) == dict(Counter(kind for kind, _ in listed)), str(plan)
+        # the four norms' Partial gradients reduced once each, and gradients gathered on their way back (torch 2.13
+        # plans 5 such gathers, 2.15 one: its strategies differ)
+        assert ran.collectives["all_reduce"] == 4 and ran.collectives["all_gather"] >= 1, str(plan)
         assert dict(ran.received_bytes) == {kind: sum(b for k, b in listed if k == kind) for kind in ran.collectives}
         assert f"backward redistributions: {len(listed)} collectives" in str(plan)
         assert_every_rank_matches(out.loss, expected.loss)
