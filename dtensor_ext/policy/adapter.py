@@ -134,9 +134,9 @@ class Plan:
     def __str__(self) -> str:
         from dtensor_ext.policy.styles import held_placements, proven_styles
 
-        moves, returned = _moves(self), self._returned()
+        moves, returned, backward = _moves(self), self._returned(), _backward_moves(self)
         steps = _forward_steps(moves, returned)
-        back = [step for _, _, taken in _backward_moves(self) for step in taken]
+        back = [step for _, _, taken in backward for step in taken]
         followers = Counter(self.shared_layers.values())
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
@@ -148,7 +148,7 @@ class Plan:
                  f"  backward redistributions: {len(back)} collectives, "
                  f"{sum(max(s.recv_bytes) for s in back):,} B received per rank (the busiest)"]
         back_by_op: dict[int, list] = {}
-        for where, what, taken in _backward_moves(self):
+        for where, what, taken in backward:
             back_by_op.setdefault(where, []).append((what, taken))
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
         lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
@@ -251,9 +251,7 @@ def _backward_moves(plan: Plan) -> list[tuple[int, str, list]]:
             g = op.grads[slot] if slot < len(op.grads) else None
             if g is None or not value.is_floating_point():
                 continue
-            held = held_placements(plan, tid)
-            back_to = tuple(Replicate() if x.is_partial() else x for x in held)
-            src = tuple(b if x.is_partial() else x for x, b in zip(g, back_to))
+            src, back_to = _gradient_move(held_placements(plan, tid), g)
             for m, x in enumerate(g):
                 if x.is_partial():
                     partial_dims.setdefault((tid, m), op.node.index)
@@ -266,6 +264,14 @@ def _backward_moves(plan: Plan) -> list[tuple[int, str, list]]:
         found.append((reader, f"reduce the Partial gradient of {list(value.shape)} on mesh dim {m}",
                       _collectives(plan.mesh, value, src, replicate)))
     return found
+
+
+def _gradient_move(held: tuple, g: tuple) -> tuple[tuple, tuple]:
+    """(from, to) of a reader's gradient `g` on its way back to a value held at `held`: to the value's placements,
+    a Partial value's as Replicate; on the mesh dims where `g` is Partial it stays, to be reduced once for all
+    readers (see _reduction_s)."""
+    back_to = tuple(Replicate() if x.is_partial() else x for x in held)
+    return tuple(b if x.is_partial() else x for x, b in zip(g, back_to)), back_to
 
 
 def _forward_steps(moves: dict[int, list[tuple]], returned: dict[int, list]) -> list[tuple[str, int]]:
@@ -757,9 +763,7 @@ def _pricer(value: torch.Tensor, model, mesh: DeviceMesh, moves: dict):
         forward = move(p, q)
         if forward is None or g is None or not floating:
             return forward
-        back_to = tuple(Replicate() if x.is_partial() else x for x in p)
-        # a Partial gradient is reduced once for all readers (see _reduction_s): only the rest moves here
-        back = move(tuple(b if x.is_partial() else x for x, b in zip(g, back_to)), back_to)
+        back = move(*_gradient_move(p, g))
         return None if back is None else forward + back
 
     def price(p, q, g) -> float | None:

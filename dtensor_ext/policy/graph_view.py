@@ -210,7 +210,7 @@ def op_outputs(func: Callable, args: tuple, out: object) -> list[torch.Tensor]:
     write the trace must see: the plan has to keep ``x`` where DTensor can write it, and price what reads it)."""
     if getattr(func, "__name__", "") == "__setitem__":
         return [args[0]]
-    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+    return tensors_in(out)
 
 
 def unique_tensors(value) -> list[torch.Tensor]:

@@ -276,12 +276,11 @@ def _leanest(h, highspy, time_limit_s: float = 60.0) -> tuple[int, int] | None:
     row as the objective and no cap; None where no plan meets the constraints whatever the budget."""
     leanest = _quiet_highs(highspy)
     leanest.passModel(h.getModel())
-    cap_row = leanest.getNumRow() - 1
-    _, _, _, _, nonzeros = leanest.getRows(1, np.array([cap_row]))
-    _, starts, columns, bytes_held = leanest.getRowsEntries(1, np.array([cap_row]))
+    cap_row = leanest.getNumRow() - 1  # _model adds the budget's row last
+    _, _, columns, bytes_held = leanest.getRowsEntries(1, np.array([cap_row]))
     n = leanest.getNumCol()
     leanest.changeColsCost(n, np.arange(n), np.zeros(n))
-    leanest.changeColsCost(nonzeros, columns[:nonzeros], bytes_held[:nonzeros])
+    leanest.changeColsCost(len(columns), columns, bytes_held)
     leanest.changeRowBounds(cap_row, 0.0, highspy.kHighsInf)
     leanest.setOptionValue("time_limit", time_limit_s)
     leanest.run()
