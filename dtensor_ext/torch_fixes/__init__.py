@@ -13,12 +13,15 @@ import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from dtensor_ext import _compat
 from dtensor_ext._compat import OpOverload
 
 __all__ = [
     "TorchFix", "torch_fix", "declared_fixes", "generic_dispatch", "dispatch_moving_keywords", "replace_rule",
-    "restorer", "undo_all", "swap_handlers", "applied_to", "applied_ops",
+    "restorer", "undo_all", "swap_handlers", "applied_to", "applied_ops", "replicated_like", "plain_operand_replicated",
 ]
 
 Undo = Callable[[], None]
@@ -130,6 +133,27 @@ def generic_dispatch(op_call: OpOverload, args: tuple, kwargs: dict, *, local_re
     if local_results is not None:
         local = local_results(local, sharding.output_spec)
     return _compat.wrap_local_results(local, sharding.output_spec)
+
+
+def replicated_like(like: DTensor, value) -> DTensor:
+    """`value` (a plain tensor or a list of ints) as a DTensor replicated on `like`'s mesh: data SPMD code holds
+    alike on every rank (an index list, a plain index tensor, zeros an autograd formula builds), as it holds an int."""
+    local = value.to(like.device) if isinstance(value, torch.Tensor) else torch.tensor(value, device=like.device)
+    mesh = like.device_mesh
+    return DTensor.from_local(local, mesh, [_compat.Replicate()] * mesh.ndim, run_check=False)
+
+
+def plain_operand_replicated(plain_at: int, like_at: int) -> Callable:
+    """A dispatch handler that takes a plain tensor at argument `plain_at`, next to a DTensor at `like_at`, as
+    replicated (`replicated_like`), then runs DTensor's generic path; every other call goes that path unchanged."""
+
+    def handler(op_call, args, kwargs):
+        plain, like = args[plain_at], args[like_at]
+        if isinstance(like, DTensor) and isinstance(plain, torch.Tensor) and not isinstance(plain, DTensor):
+            args = (*args[:plain_at], replicated_like(like, plain), *args[plain_at + 1:])
+        return generic_dispatch(op_call, args, kwargs)
+
+    return handler
 
 
 def _refuse_moving_self(op_call: OpOverload, args: tuple, output_spec) -> None:

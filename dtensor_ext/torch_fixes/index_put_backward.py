@@ -6,7 +6,8 @@ the gradient's options, next to a DTensor gradient, which DTensor refuses ("got 
 every torch checked (2.11 to 2.15), whatever the placements, replicated included. Here an `index_put` whose
 `values` is a plain tensor while `self` is a DTensor takes those values as replicated on `self`'s mesh, as they are:
 SPMD code (the autograd formula included) builds them alike on every rank, as `list_indices` takes a plain index
-tensor. Every other `index_put` goes through DTensor's own path. Decided by a probe: whether the backward of `index_put` of a replicated probe DTensor fails.
+tensor (`torch_fixes.plain_operand_replicated`). Every other `index_put` goes through DTensor's own path.
+Decided by a probe: whether the backward of `index_put` of a replicated probe DTensor fails.
 """
 
 from __future__ import annotations
@@ -14,22 +15,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate
-from dtensor_ext.torch_fixes import generic_dispatch, swap_handlers, torch_fix
+from dtensor_ext.torch_fixes import plain_operand_replicated, swap_handlers, torch_fix
 
 aten = torch.ops.aten
-
-
-def _plain_values_replicated(op_call, args, kwargs):
-    self, values = args[0], args[2]
-    if isinstance(self, DTensor) and isinstance(values, torch.Tensor) and not isinstance(values, DTensor):
-        mesh = self.device_mesh
-        values = DTensor.from_local(values.to(self.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
-        args = (self, args[1], values, *args[3:])
-    return generic_dispatch(op_call, args, kwargs)
 
 
 @functools.cache
@@ -57,4 +48,4 @@ def fix_index_put_backward():
     op = aten.index_put.default
     if _compat.custom_op_handler(op) is not None or not _index_put_backward_fails():
         return None  # this torch builds the zeros as a DTensor (a handler of its own is never replaced)
-    return swap_handlers({op: _plain_values_replicated})
+    return swap_handlers({op: plain_operand_replicated(plain_at=2, like_at=0)})  # index_put(self, indices, values)

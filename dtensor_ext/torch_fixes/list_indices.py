@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate
-from dtensor_ext.torch_fixes import torch_fix
+from dtensor_ext.torch_fixes import replicated_like, torch_fix
 
 
 def _is_index_list(part: Any) -> bool:
@@ -32,13 +32,8 @@ def _is_plain_tensor(part: Any) -> bool:
     return isinstance(part, torch.Tensor) and not isinstance(part, DTensor)
 
 
-def _replicated(like: DTensor, part: list | torch.Tensor) -> DTensor:
-    local = part.to(like.device) if isinstance(part, torch.Tensor) else torch.tensor(part, device=like.device)
-    return DTensor.from_local(local, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
-
-
 def _replicated_if_rank_data(like: DTensor, part: Any) -> Any:
-    return _replicated(like, part) if _is_index_list(part) or _is_plain_tensor(part) else part
+    return replicated_like(like, part) if _is_index_list(part) or _is_plain_tensor(part) else part
 
 
 def _with_replicated_lists(self: DTensor, index: Any) -> Any:

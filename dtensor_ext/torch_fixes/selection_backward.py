@@ -15,22 +15,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from dtensor_ext import _compat
 from dtensor_ext._compat import Replicate
-from dtensor_ext.torch_fixes import generic_dispatch, swap_handlers, torch_fix
+from dtensor_ext.torch_fixes import plain_operand_replicated, swap_handlers, torch_fix
 
 aten = torch.ops.aten
-
-
-def _scatter_onto_plain(op_call, args, kwargs):
-    self, src = args[0], args[3]
-    if not isinstance(self, DTensor) and isinstance(self, torch.Tensor) and isinstance(src, DTensor):
-        mesh = src.device_mesh
-        self = DTensor.from_local(self.to(src.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
-        args = (self, *args[1:])
-    return generic_dispatch(op_call, args, kwargs)
 
 
 @functools.cache
@@ -56,4 +46,4 @@ def fix_selection_backward():
     op = aten.scatter.src
     if _compat.custom_op_handler(op) is not None or not _selection_backward_fails():
         return None  # this torch builds the zeros as a DTensor (a handler of its own is never replaced)
-    return swap_handlers({op: _scatter_onto_plain})
+    return swap_handlers({op: plain_operand_replicated(plain_at=0, like_at=3)})  # scatter(self, dim, index, src)
