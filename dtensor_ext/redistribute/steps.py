@@ -98,9 +98,8 @@ class StepBuilder:
         most, peers = max(recv), max(map(len, peers_in))
         if not peers:
             return 0.0
-        n = self._group_size(mesh_dims)
-        if kind != "permute" and peers == n - 1:
-            return self.cost.collective_time(kind, mesh_dims, -(-most * n // (n - 1)))
+        if kind != "permute" and peers == self._group_size(mesh_dims) - 1:
+            return self._group_time(kind, mesh_dims, most)
         # fewer partners than a ring: one pairwise round per partner
         return peers * self.cost.collective_time("permute", mesh_dims, -(-most // peers))
 
@@ -109,9 +108,14 @@ class StepBuilder:
         some moves: Shard(i) -> Shard(j) is an all_to_all even where each rank only swaps with one other)."""
         if step.kind == kind or not step.transfers:
             return step
-        n = self._group_size(step.mesh_dims)
-        time_s = self.cost.collective_time(kind, step.mesh_dims, -(-max(step.recv_bytes) * n // (n - 1)))
+        time_s = self._group_time(kind, step.mesh_dims, max(step.recv_bytes))
         return dataclasses.replace(step, kind=kind, time_s=time_s)
+
+    def _group_time(self, kind: str, mesh_dims, most: int) -> float:
+        """One `kind` collective over the whole group of `mesh_dims` in which a rank receives at most `most` bytes
+        (the cost model's bytes per rank: what each of the n ranks holds, n / (n - 1) of what one receives)."""
+        n = self._group_size(mesh_dims)
+        return self.cost.collective_time(kind, mesh_dims, -(-most * n // (n - 1)))
 
     def _distance(self, r: int, s: int) -> int:
         return sum(x != y for x, y in zip(self.coords[r], self.coords[s]))
