@@ -157,7 +157,8 @@ class Plan:
         for op in self.ops:
             found = moves[op.node.index]
             if op.local or found or not all(_replicated(p) for p in (*op.inputs, *op.outputs)):
-                how = "local, replicated (DTensor has no rule)" if op.local else (
+                how = ("reads the value into Python, replicated" if op.node.reads_values else
+                       "local, replicated (DTensor has no rule)") if op.local else (
                     f"in {', '.join(_fmt(p) for p in op.inputs)} -> out {', '.join(_fmt(p) for p in op.outputs)}")
                 lines.append(f"    %{op.node.index} {op.node.signature} in {op.node.fqn or '<root>'}: {how}")
                 for slot, what, held, target, taken in found:
@@ -687,6 +688,12 @@ def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requ
     on the mesh but not one dim at a time."""
     param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
     grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
+    if node.reads_values:  # no candidate: it runs on the whole value, replicated (_derive's local ops)
+        if requirement is not None and not requirement.replica_allowed:
+            raise PolicyError(requirement.source, "replica_allowed", False,
+                              f"True: {node.signature} hands the value to Python, which needs all of it on "
+                              f"every rank (a shard or a Partial sum there is one rank's part)")
+        return [], NodeOptions([], 0, 0, {}), (param_slots, grad_slots)
     per_dim = []
     for m in range(mesh.ndim):
         found = cache.options(node, m, param_slots, grad_slots)
@@ -732,7 +739,8 @@ def _replicated_candidate(node: OpNode, saved: int, ndim: int) -> Candidate:
     replicate = (Replicate(),) * ndim
     operands = operand_tensors(node)
     return Candidate(tuple(replicate for _ in operands), tuple(replicate for _ in node.output_ids),
-                     tuple(replicate if t.is_floating_point() else None for t in operands), 1, saved)
+                     tuple(replicate if t.is_floating_point() and not node.reads_values else None for t in operands),
+                     1, saved)
 
 
 def _compute_s(found: NodeOptions, c: Candidate) -> float:

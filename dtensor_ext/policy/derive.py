@@ -74,8 +74,9 @@ class NodeOptions:
 def is_inplace(node: OpNode) -> bool:
     """The op writes its first input (``x.add_(y)``, ``x /= y``, ``x[i] = y``)."""
     name = getattr(node.fn, "__name__", "")
-    return (name.startswith("__i") and name.endswith("__") or (name.endswith("_") and not name.startswith("_"))
-            or name == "__setitem__")
+    # the augmented assignments are `__i<op>__` of an operator `__<op>__` (not `__int__`, `__index__`, `__invert__`)
+    augmented = name.startswith("__i") and name.endswith("__") and hasattr(torch.Tensor, f"__{name[3:]}")
+    return augmented or (name.endswith("_") and not name.startswith("_")) or name == "__setitem__"
 
 
 def operand_tensors(node: OpNode) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from dtensor_ext._compat import torch_op_names
+from dtensor_ext._compat import TorchDispatchMode, torch_op_names
 
 __all__ = ["ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs", "replace_tensors",
            "tensors_in", "trace_graph", "unique_tensors"]
@@ -30,6 +30,12 @@ _DUNDER_NAMES = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub
                  "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
                  "__rtruediv__": "div", "__matmul__": "matmul", "__rmatmul__": "matmul", "__neg__": "neg",
                  "__pow__": "pow", "__getitem__": "getitem"}
+_aten = torch.ops.aten
+# what a call dispatches when it copies a tensor's values into Python: bool(t), t.item(), int(t), float(t), an
+# index t, `x in t` (aten._local_scalar_dense) and torch.equal / torch.allclose
+_HOST_READ_OPS = frozenset({_aten._local_scalar_dense.default, _aten.equal.default, _aten.allclose.default})
+# calls that copy values into Python straight from memory, dispatching nothing
+_MEMORY_READS = frozenset({"tolist", "numpy", "__array__"})
 
 
 @functools.cache
@@ -111,6 +117,12 @@ class OpNode:
     @property
     def signature(self) -> str:
         return self.names[0]
+
+    @property
+    def reads_values(self) -> bool:
+        """The call hands its operands' values to Python (``bool(t)``, ``t.item()``, ``t.tolist()``): no tensor
+        comes out, and each rank must read the whole value (a shard or a Partial would be one rank's part)."""
+        return not self.output_ids
 
     def in_module_class(self, class_name: str | type) -> bool:
         return class_name in self.module_class_chain
@@ -229,9 +241,22 @@ def replace_tensors(value, table: dict[int, object]):
     return value
 
 
+class _HostReads(TorchDispatchMode):
+    """Counts the aten calls that copy a tensor's values into Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in _HOST_READ_OPS
+        return func(*args, **(kwargs or {}))
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
+        self.host_reads = _HostReads()
         self.nodes: list[OpNode] = []
         self.calls: dict[str, ModuleCall] = {}
         self.stack: list[tuple[str, torch.nn.Module]] = []  # (fqn, module), outermost first
@@ -279,10 +304,14 @@ class _Recorder(TorchFunctionMode):
         input_ids = tuple(self.tensor_id(a) for a in args)
         kwarg_ids = tuple(self.tensor_id(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
         operand_ids = tuple(dict.fromkeys(self.tensor_id(t) for t in tensors_in((args, kwargs))))
+        reads_before = self.host_reads.count
         out = func(*args, **kwargs)
         outputs = op_outputs(func, args, out)
-        if not outputs or getattr(func, "__name__", "") in ("__get__", "__set__"):
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):
             return out
+        if not outputs and not (operand_ids and (self.host_reads.count > reads_before or name in _MEMORY_READS)):
+            return out  # reads metadata only (size, dim), or no tensor at all
         fqns = tuple(f for f, _ in self.stack)
         node = OpNode(
             index=len(self.nodes), fn=func, names=op_names(func), fqn=fqns[-1] if fqns else "",
@@ -302,13 +331,14 @@ class _Recorder(TorchFunctionMode):
 
 
 def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object]) -> GraphView:
-    """Run `model(*example_inputs)` once without gradients and record every torch-level op it makes."""
+    """Run `model(*example_inputs)` once without gradients and record every torch-level op it makes, and every
+    call that reads a tensor's values into Python."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     recorder = _Recorder(model)
     params = {id(p): name for name, p in model.named_parameters()}
     try:
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), recorder, recorder.host_reads:
             out = model(*example_inputs)
     finally:
         recorder.remove_hooks()

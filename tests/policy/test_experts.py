@@ -27,7 +27,7 @@ def test_grouped_gemm_expert_split_without_a_proven_candidate_is_refused():
     with simulated_mesh((2, 2), mesh_dim_names=("dp", "ep")) as mesh, pytest.raises(PolicyError) as info:
         build_plan(model, mesh, (ids,), policy=policy)
     message = str(info.value)
-    assert message.startswith("policy OpPlan #0 for %92 torch._grouped_mm in model.layers.0.mlp.experts "
+    assert message.startswith("policy OpPlan #0 for %93 torch._grouped_mm in model.layers.0.mlp.experts "
                               "[torch.nn.functional.grouped_mm(input.to(weight.dtype), weight, offs=offs)]: field "
                               "'partition' got ['1,0']; expected a partition DTensor runs without communicating on "
                               "mesh dim ep; input 1 sharded on dim 0: ")
