@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.graph_view import op_outputs, replace_tensors, unique_tensors
+from dtensor_ext._compat import TorchDispatchMode
+from dtensor_ext.policy.graph_view import HOST_READ_OPS, op_outputs, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["PlanExecutor"]
 
@@ -231,8 +232,31 @@ class _PlanMode(TorchFunctionMode):
         if k < len(nodes) and func == nodes[k].fn:
             ex.position += 1
             return ex.run(k, func, args, kwargs)
-        out = func(*args, **kwargs)
+        with _WholeValueReads(ex.plan.deviations, func):
+            out = func(*args, **kwargs)
         if op_outputs(func, args, out):  # an op the trace did not see (autograd hooks, other inputs): run unplanned
             ex.plan.deviations.append(f"unplanned {getattr(func, '__name__', func)} before "
                                       f"{nodes[k] if k < len(nodes) else 'the end'}")
         return out
+
+
+class _WholeValueReads(TorchDispatchMode):
+    """Around a call the trace did not see (a branch the example inputs did not take): where it reads a DTensor's
+    values into Python (``bool``, ``.item()``, ``torch.equal``), the read gets the whole value, as a traced read
+    does, and the deviation is listed. DTensor alone would hand over this rank's shard or Partial part."""
+
+    def __init__(self, deviations: list, call):
+        super().__init__()
+        self.deviations, self.call = deviations, call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_READ_OPS:
+            parts = [t for t in tensors_in((args, kwargs))
+                     if isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements)]
+            if parts:
+                whole = {id(t): t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim) for t in parts}
+                self.deviations.append(f"unplanned read {getattr(self.call, '__name__', self.call)} of a value at "
+                                       f"{', '.join(str(tuple(t.placements)) for t in parts)}: made whole first")
+                args, kwargs = replace_tensors(args, whole), replace_tensors(kwargs, whole)
+        return func(*args, **kwargs)

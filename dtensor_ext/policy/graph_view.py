@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from dtensor_ext._compat import TorchDispatchMode, torch_op_names
 
-__all__ = ["ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs", "replace_tensors",
+__all__ = ["HOST_READ_OPS", "ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs", "replace_tensors",
            "tensors_in", "trace_graph", "unique_tensors"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -33,7 +33,7 @@ _DUNDER_NAMES = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub
 _aten = torch.ops.aten
 # what a call dispatches when it copies a tensor's values into Python: bool(t), t.item(), int(t), float(t), an
 # index t, `x in t` (aten._local_scalar_dense) and torch.equal / torch.allclose
-_HOST_READ_OPS = frozenset({_aten._local_scalar_dense.default, _aten.equal.default, _aten.allclose.default})
+HOST_READ_OPS = frozenset({_aten._local_scalar_dense.default, _aten.equal.default, _aten.allclose.default})
 # calls that copy values into Python straight from memory, dispatching nothing
 _MEMORY_READS = frozenset({"tolist", "numpy", "__array__"})
 
@@ -249,7 +249,7 @@ class _HostReads(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in _HOST_READ_OPS
+        self.count += func in HOST_READ_OPS
         return func(*args, **(kwargs or {}))
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from dtensor_ext.policy import PolicyError, build_plan
+from dtensor_ext.policy import PolicyError, build_plan, parallelize
 from dtensor_ext.policy.graph_view import trace_graph
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.tools.comm_stats import CommStatsMode
-from tests.policy.checks import assert_applied_plan_matches
+from tests.policy.checks import assert_applied_plan_matches, assert_every_rank_matches
 from tests.policy.gloo_ranks import spawn_ranks
 from tests.policy.test_guarantee import _copies
 
@@ -125,3 +125,28 @@ def _rank_main(rank: int, init_file: str) -> None:
 def test_reads_on_four_gloo_ranks(tmp_path):
     """Each real rank reads the whole value (.item(), bool(), .tolist()), so they agree with one device."""
     spawn_ranks(_rank_main, WORLD, tmp_path)
+
+
+class Branchy(nn.Module):
+    """Scales by a count only where asked: the example inputs do not take the branch, so the trace has no read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, by_count):
+        h = self.a(x)
+        if by_count.any():
+            h = h / (h > 0).sum().item()
+        return self.b(h)
+
+
+def test_a_read_the_trace_did_not_see_gets_the_whole_value_and_is_listed():
+    torch.manual_seed(0)
+    reference, model = _copies(Branchy)
+    x = torch.randn(8, 16)
+    with simulated_mesh((4,)) as mesh:
+        plan = build_plan(model, mesh, (x, torch.tensor(False)), constraints=DATA_PARALLEL)
+        parallelize(model, mesh, (x, torch.tensor(False)), plan=plan)
+        assert_every_rank_matches(model(x, torch.tensor(True)), reference(x, torch.tensor(True)))
+        assert any(d.startswith("unplanned read item of a value at (Partial(sum),)") for d in plan.deviations)
