@@ -644,11 +644,16 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
             pricers[kind] = _unmoved(pricer(value)) if inplace else _pricer(value, model, mesh, moves)
         return pricers[kind]
 
+    written = _written_memory(graph)
     for node in graph.nodes:
+        outputs_memory = {graph.storage(t) for t in node.output_ids}
         for slot, tid in enumerate(node.operand_ids):
             readers.setdefault(tid, []).append((node.index, slot))
             u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
-            price = pricer(graph.tensors[tid], slot == 0 and is_inplace(node))
+            # an in-place op's target, and the value a view of written memory is taken from, are read where they
+            # are: a moved copy would take the write (or hold a view the write never reaches)
+            view_of_written = graph.storage(tid) in written and graph.storage(tid) in outputs_memory
+            price = pricer(graph.tensors[tid], slot == 0 and is_inplace(node) or view_of_written)
             if tid in graph.params and memory_budget is not None:  # a moved parameter is saved as a copy
                 copies[len(edges)] = [c.param_saved[slot] if c.param_saved else 0 for c in candidates[node.index]]
             edges.append((u, o, node.index, slot, price))
@@ -787,6 +792,12 @@ def _reduction_s(value: torch.Tensor, model, mesh_dim: int) -> float:
     """Reducing the summed Partial gradients of a value on one mesh dim: priced as an all-reduce of the whole
     value."""
     return model.collective_time("all_reduce", (mesh_dim,), value.numel() * value.element_size())
+
+
+def _written_memory(graph: GraphView) -> set[int]:
+    """The memory an in-place op writes, through whichever view (``key[..., :8].copy_(k)`` writes ``key``'s)."""
+    return {graph.storage(node.operand_ids[0]) for node in graph.nodes
+            if is_inplace(node) and node.operand_ids} - {None}
 
 
 def _unmoved(price):

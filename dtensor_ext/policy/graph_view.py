@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from dtensor_ext._compat import TorchDispatchMode, torch_op_names
+from dtensor_ext._compat import TorchDispatchMode, local_tensor_values, torch_op_names
 
 __all__ = ["HOST_READ_OPS", "ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs", "replace_tensors",
            "tensors_in", "trace_graph", "unique_tensors"]
@@ -164,6 +164,16 @@ class GraphView:
 
     def producer(self, tensor_id: int) -> OpNode | None:
         return self._producer.get(tensor_id)
+
+    def storage(self, tensor_id: int) -> int | None:
+        """Where the traced value's memory starts (a view shares its base's); None for a value without memory."""
+        value = self.tensors[tensor_id]
+        value = next(iter((local_tensor_values(value) or {0: value}).values()))  # a simulated rank's own memory
+        try:
+            memory = value.untyped_storage()
+            return memory.data_ptr() if memory.nbytes() else None
+        except (RuntimeError, NotImplementedError):  # sparse layouts, storages of tensor subclasses
+            return None
 
     def module(self, fqn: str) -> torch.nn.Module:
         return self.model.get_submodule(fqn)

@@ -63,15 +63,25 @@ def dtensor_steps(builder: StepBuilder, src: tuple, transforms, shard_to_shard_g
         elif is_shard(before) and is_shard(after) and (shard_to_shard_gathers or _strided(before, after)):
             # torch moves a _StridedShard to or from a Shard through Replicate: a gather, then a local cut
             gathered = tuple(Replicate() if j in mesh_dims else p for j, p in enumerate(state))
-            step = builder.exchange(state, gathered)
+            step = _collective(builder, builder.exchange(state, gathered), "all_gather", mesh_dims)
             steps.append(Step("all_gather", step.mesh_dims, state, target, step.recv_bytes, step.buffer_bytes, step.time_s))
         elif is_shard(before) and is_shard(after):
             # Shard(i) -> Shard(j): one all_to_all of the mesh dim, also where only pairs exchange (2 ranks)
-            steps.append(builder.as_collective(builder.exchange(state, target), "all_to_all"))
+            steps.append(builder.as_collective(_collective(builder, builder.exchange(state, target), "all_to_all",
+                                                           mesh_dims), "all_to_all"))
         elif is_shard(before):
-            steps.append(builder.exchange(state, target))
+            steps.append(_collective(builder, builder.exchange(state, target), "all_gather", mesh_dims))
         else:  # Replicate -> Shard or Partial: a local cut
             steps.append(Step("local", (), state, target, (0,) * builder.world, builder.buffer_bytes(target), 0.0))
         state = target
     return steps
 
+
+
+def _collective(builder: StepBuilder, step: Step, kind: str, mesh_dims) -> Step:
+    """`step` as torch runs it: a `kind` collective over `mesh_dims` also where no rank receives anything (a tensor
+    with no elements, such as a rotary split's empty pass-through part, is still gathered: one latency)."""
+    if step.kind != "local":
+        return step
+    return Step(kind, tuple(mesh_dims), step.before, step.after, step.recv_bytes, step.buffer_bytes,
+                builder.cost.collective_time(kind, tuple(mesh_dims), 0))

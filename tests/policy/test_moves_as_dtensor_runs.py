@@ -51,3 +51,15 @@ def test_a_shard_moved_to_another_dim_is_one_all_to_all_as_dtensor_runs_it(mesh_
         ran = _ran(value, target)
         assert ran == Counter(all_to_all=1)
         assert _listed(value, target) == ran
+
+
+@pytest.mark.parametrize("target", [(Replicate(),), (Shard(0),)])
+def test_a_value_with_no_elements_is_still_moved_as_dtensor_moves_it(target):
+    """Phi-3's partial rotary splits off an empty pass-through part ([4, 4, 16, 0]); DTensor gathers (or
+    exchanges) it like any shard, so the plan lists that collective too, with no bytes (it listed nothing: Phi-3
+    under a memory budget listed 4 forward all-gathers and ran 7)."""
+    with simulated_mesh((4,)) as mesh:
+        value = distribute_tensor(torch.empty(4, 4, 16, 0), mesh, [Shard(1)])
+        ran = _ran(value, target)
+        assert sum(ran.values()) == 1
+        assert _listed(value, target) == ran
