@@ -644,15 +644,16 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
             pricers[kind] = _unmoved(pricer(value)) if inplace else _pricer(value, model, mesh, moves)
         return pricers[kind]
 
-    written = _written_memory(graph)
+    last_write = _last_writes(graph)
     for node in graph.nodes:
         outputs_memory = {graph.storage(t) for t in node.output_ids}
         for slot, tid in enumerate(node.operand_ids):
             readers.setdefault(tid, []).append((node.index, slot))
             u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
-            # an in-place op's target, and the value a view of written memory is taken from, are read where they
-            # are: a moved copy would take the write (or hold a view the write never reaches)
-            view_of_written = graph.storage(tid) in written and graph.storage(tid) in outputs_memory
+            # an in-place op's target, and the value a view is taken from where an in-place op writes its memory
+            # later, are read where they are: a moved copy would take the write (or hold a view it never reaches)
+            memory = graph.storage(tid)
+            view_of_written = memory in outputs_memory and last_write.get(memory, -1) > node.index
             price = pricer(graph.tensors[tid], slot == 0 and is_inplace(node) or view_of_written)
             if tid in graph.params and memory_budget is not None:  # a moved parameter is saved as a copy
                 copies[len(edges)] = [c.param_saved[slot] if c.param_saved else 0 for c in candidates[node.index]]
@@ -794,10 +795,13 @@ def _reduction_s(value: torch.Tensor, model, mesh_dim: int) -> float:
     return model.collective_time("all_reduce", (mesh_dim,), value.numel() * value.element_size())
 
 
-def _written_memory(graph: GraphView) -> set[int]:
-    """The memory an in-place op writes, through whichever view (``key[..., :8].copy_(k)`` writes ``key``'s)."""
-    return {graph.storage(node.operand_ids[0]) for node in graph.nodes
-            if is_inplace(node) and node.operand_ids} - {None}
+def _last_writes(graph: GraphView) -> dict[int, int]:
+    """Memory an in-place op writes, through whichever view (``key[..., :8].copy_(k)`` writes ``key``'s) -> the
+    last such op's index."""
+    writes = {graph.storage(node.operand_ids[0]): node.index for node in graph.nodes
+              if is_inplace(node) and node.operand_ids}
+    writes.pop(None, None)
+    return writes
 
 
 def _unmoved(price):

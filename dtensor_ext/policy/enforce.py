@@ -125,6 +125,9 @@ class PlanExecutor:
                         distribute_tensor(param.detach(), self.mesh, list(placements)),
                         requires_grad=param.requires_grad)
                 module._parameters[name] = done[id(param)]
+        for param in dict.fromkeys(model.parameters()):  # those a ParallelStyle distributed too
+            if isinstance(param, DTensor) and param.requires_grad:
+                param.register_hook(functools.partial(_reduced_gradient, list(param.placements)))
 
     def _move(self, d: DTensor, target: list) -> DTensor:
         """Redistribute; a Partial value read by several ops is reduced once (DTensor's masked partials, e.g. a
@@ -186,13 +189,30 @@ def _planned_gradient(placements: list, grad):
     after a collective); a later view's backward then fails in the local kernel."""
     if not isinstance(grad, DTensor):
         return None
-    moved = grad.redistribute(grad.device_mesh, placements) if list(grad.placements) != placements else grad
+    moved = _moved_as_priced(grad, placements)
     local = moved.to_local()
     if local.is_contiguous() and moved.stride() == _contiguous_strides(moved.shape):
         return None if moved is grad else moved
     grad = moved
     return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements, run_check=False,
                               shape=grad.shape, stride=_contiguous_strides(grad.shape))
+
+
+def _reduced_gradient(placements: list, grad):
+    """A parameter's gradient, summed over its readers, where some of them leave it Partial (Qwen3's per-head norm
+    weights read by a heads-sharded activation): reduced as the plan lists and prices it, then at the parameter's
+    placements. Left Partial, it reached `.grad` as it was, and the optimizer would reduce it (at each use)."""
+    if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
+        return None
+    return _moved_as_priced(grad, placements)
+
+
+def _moved_as_priced(grad: DTensor, placements: list) -> DTensor:
+    """`grad` moved to `placements` as the plan lists and prices the move: each Partial mesh dim reduced by one
+    all-reduce of the value first, then the rest (DTensor alone would reduce-scatter a Partial into a Shard)."""
+    if any(p.is_partial() for p in grad.placements) and list(grad.placements) != placements:
+        grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+    return grad.redistribute(grad.device_mesh, placements) if list(grad.placements) != placements else grad
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
