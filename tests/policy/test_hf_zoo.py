@@ -67,10 +67,11 @@ def with_labels(ids):
     return (ids, None, None, None, None, ids)
 
 
-def compare(name, mesh_shape, **source):
+def compare(name, mesh_shape, batch=2, attn_implementation=None, **source):
     """parallelize `name` and compare loss and every gradient with one device; returns the model and collectives."""
-    reference, model = (hf_zoo.tiny_model(name, use_cache=False) for _ in range(2))
-    ids, labels = hf_zoo.sample_batch()
+    reference, model = (hf_zoo.tiny_model(name, use_cache=False, attn_implementation=attn_implementation)
+                        for _ in range(2))
+    ids, labels = hf_zoo.sample_batch(batch)
     expected_loss, expected_grads, _ = _step(reference, ids, labels)
     names = ("dp", "tp") if len(mesh_shape) == 2 else None
     # models are built outside the simulated mesh: inside, their weights would differ per rank
@@ -136,3 +137,12 @@ def test_gemma2_tensor_parallel_reduces_each_gradient_once():
 def _seeded(build, config):
     torch.manual_seed(0)
     return build(config).float()
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "phi3", "gpt_oss"])
+def test_more_architectures_column_or_row_parallel(name):
+    """Architectures beyond the zoo's five, each with a pattern of its own: DeepSeek-V3 writes its keys through
+    views of a new buffer (a plan that moved the buffer first gave a NaN loss), Phi-3 fuses q/k/v and gate/up and
+    splits off an empty rotary part, GPT-OSS has attention sinks and clamped experts. Loss and every gradient equal
+    one device (eager attention and a batch of 4, one sequence per rank: the plans the bugs above showed in)."""
+    compare(name, (4,), batch=4, attn_implementation="eager", constraints=LINEAR_YAML)
