@@ -1,12 +1,12 @@
 """A solved plan drawn: ``Plan.to_mermaid`` writes it as a Mermaid flowchart (GitHub renders ```mermaid blocks).
 
-One node per op with its input and output placements, one per parameter with its placements, and, where the value
-comes from outside the drawn scope, one per producer (an op outside, a model input); model outputs get a node of
-their own. Each edge is one operand read (a value into an op's input slot) and carries what ``print(plan)`` lists
-for that read: the forward move with the collectives DTensor runs and their bytes, and the backward collectives
-the solve priced for that read. The figures come from the plan's own ``_moves`` / ``_backward_moves`` /
-``_returned``, so each collective of ``forward_collectives()`` and ``backward_collectives()`` is on exactly one
-edge of the whole plan's picture.
+One node per op with its input and output placements (boxed by the submodule of the scope it runs in, where that
+holds several), one per parameter with its placements, and, where the value comes from outside the drawn scope, one
+per producer (an op outside, a model input); model outputs get a node of their own. Each edge is one operand read
+(a value into an op's input slot) and carries what ``print(plan)`` lists for that read: the forward move with the
+collectives DTensor runs and their bytes, and the backward collectives the solve priced for that read. The figures
+come from the plan's own ``_moves`` / ``_backward_moves`` / ``_returned``, so each collective of
+``forward_collectives()`` and ``backward_collectives()`` is on exactly one edge of the whole plan's picture.
 """
 
 from __future__ import annotations
@@ -124,8 +124,17 @@ def mermaid(plan: Plan, scope: str | None = None) -> str:
                  for s, _, held, target, taken in moves[op.node.index] if s == slot]
         return texts + backward.get((op.node.index, slot), [])
 
+    groups: dict[str, list[int]] = {}  # the submodule of the scope an op runs in (its first name) -> its ops
     for op in inside:
-        op_node(op.node.index)
+        groups.setdefault(_relative(op.node.fqn, scope).split(".")[0], []).append(op.node.index)
+    for number, (group, indices) in enumerate(groups.items()):
+        boxed = len(groups) > 1 and len(indices) > 1 and group not in ("", "<root>")
+        if boxed:
+            lines.append(f"  subgraph g{number} [{label(group)}]")
+        for index in indices:
+            op_node(index)
+        if boxed:
+            lines.append("  end")
     for op in plan.ops:
         for slot, tid in enumerate(op.node.operand_ids):
             producer = graph.producer(tid)
