@@ -129,14 +129,14 @@ class Plan:
         """(kind, bytes the busiest rank receives) of each collective the solve priced for the backward: each
         gradient moved back to its value's placements (as `_pricer` prices the edge), then each Partial gradient
         reduced once per value and mesh dim."""
-        return [(step.kind, max(step.recv_bytes)) for _, _, taken in _backward_moves(self) for step in taken]
+        return [(step.kind, max(step.recv_bytes)) for _, _, _, taken in _backward_moves(self) for step in taken]
 
     def __str__(self) -> str:
         from dtensor_ext.policy.styles import held_placements, proven_styles
 
         moves, returned, backward = _moves(self), self._returned(), _backward_moves(self)
         steps = _forward_steps(moves, returned)
-        back = [step for _, _, taken in backward for step in taken]
+        back = [step for _, _, _, taken in backward for step in taken]
         followers = Counter(self.shared_layers.values())
         lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
                  f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
@@ -148,7 +148,7 @@ class Plan:
                  f"  backward redistributions: {len(back)} collectives, "
                  f"{sum(max(s.recv_bytes) for s in back):,} B received per rank (the busiest)"]
         back_by_op: dict[int, list] = {}
-        for where, what, taken in backward:
+        for where, _, what, taken in backward:
             back_by_op.setdefault(where, []).append((what, taken))
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
         lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
@@ -203,6 +203,15 @@ class Plan:
         return yaml.safe_dump({"mesh": list(self.mesh.shape), "modelled_us": modelled_us, "parameters": params,
                                "ops": ops}, sort_keys=False)
 
+    def to_mermaid(self, scope: str | None = None) -> str:
+        """The solved plan drawn as a Mermaid flowchart (policy.picture): ops with their placements, parameters,
+        and on each edge the forward and backward collectives `print(plan)` lists for that read, with their bytes.
+        ``scope`` (a module name, e.g. ``"model.layers.1"``) draws only the ops run inside that module and the
+        edges into and out of them."""
+        from dtensor_ext.policy.picture import mermaid
+
+        return mermaid(self, scope)
+
     def split_spec(self) -> dict:
         """Stage boundaries as ``torch.distributed.pipelining.pipeline(..., split_spec=...)`` expects them."""
         from torch.distributed.pipelining import SplitPoint
@@ -238,11 +247,11 @@ def _moves(plan: Plan) -> dict[int, list[tuple]]:
     return found
 
 
-def _backward_moves(plan: Plan) -> list[tuple[int, str, list]]:
-    """The backward's collectives as the solve prices them: per edge, (reader op, what, the collectives moving the
-    gradient back to the value's placements, its Partial mesh dims left to the reduction), then per value and mesh
-    dim where a chosen reader sends a Partial gradient, (the first such reader, what, the reduction of the whole
-    value)."""
+def _backward_moves(plan: Plan) -> list[tuple[int, int, str, list]]:
+    """The backward's collectives as the solve prices them: per edge, (reader op, its operand slot, what, the
+    collectives moving the gradient back to the value's placements, its Partial mesh dims left to the reduction),
+    then per value and mesh dim where a chosen reader sends a Partial gradient, (the first such reader, the slot it
+    reads the value at, what, the reduction of the whole value)."""
     from dtensor_ext.policy.styles import held_placements
 
     found, partial_dims = [], {}
@@ -255,14 +264,14 @@ def _backward_moves(plan: Plan) -> list[tuple[int, str, list]]:
             src, back_to = _gradient_move(held_placements(plan, tid), g)
             for m, x in enumerate(g):
                 if x.is_partial():
-                    partial_dims.setdefault((tid, m), op.node.index)
+                    partial_dims.setdefault((tid, m), (op.node.index, slot))
             taken = [] if src == back_to else _collectives(plan.mesh, value, src, back_to)
             if taken:  # a local cut moves nothing: not listed
-                found.append((op.node.index, f"gradient of input {slot}: {_fmt(src)} -> {_fmt(back_to)}", taken))
-    for (tid, m), reader in partial_dims.items():
+                found.append((op.node.index, slot, f"gradient of input {slot}: {_fmt(src)} -> {_fmt(back_to)}", taken))
+    for (tid, m), (reader, slot) in partial_dims.items():
         value, replicate = plan.graph.tensors[tid], (Replicate(),) * plan.mesh.ndim
         src = tuple(Partial() if d == m else Replicate() for d in range(plan.mesh.ndim))
-        found.append((reader, f"reduce the Partial gradient of {list(value.shape)} on mesh dim {m}",
+        found.append((reader, slot, f"reduce the Partial gradient of {list(value.shape)} on mesh dim {m}",
                       _collectives(plan.mesh, value, src, replicate)))
     return found
 
