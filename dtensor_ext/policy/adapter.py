@@ -89,6 +89,14 @@ class OpChoice:
     moves: list[str] = field(default_factory=list)  # the redistributions of its inputs, described
     grads: tuple = ()  # each operand's gradient placements as the solve priced them (None: no gradient)
 
+    @property
+    def how(self) -> str:
+        """How it runs, as the printed plan and its picture say it."""
+        if self.local:
+            return ("reads the value into Python, replicated" if self.node.reads_values else
+                    "local, replicated (DTensor has no rule)")
+        return f"in {', '.join(_fmt(p) for p in self.inputs)} -> out {', '.join(_fmt(p) for p in self.outputs)}"
+
 
 @dataclass
 class Plan:
@@ -157,10 +165,7 @@ class Plan:
         for op in self.ops:
             found = moves[op.node.index]
             if op.local or found or not all(_replicated(p) for p in (*op.inputs, *op.outputs)):
-                how = ("reads the value into Python, replicated" if op.node.reads_values else
-                       "local, replicated (DTensor has no rule)") if op.local else (
-                    f"in {', '.join(_fmt(p) for p in op.inputs)} -> out {', '.join(_fmt(p) for p in op.outputs)}")
-                lines.append(f"    %{op.node.index} {op.node.signature} in {op.node.fqn or '<root>'}: {how}")
+                lines.append(f"    %{op.node.index} {op.node.signature} in {op.node.fqn or '<root>'}: {op.how}")
                 for slot, what, held, target, taken in found:
                     shape = list(self.graph.tensors[op.node.operand_ids[slot]].shape)
                     lines.append(f"      input {slot} ({what}, {shape}): {_fmt(held)} -> {_fmt(target)}: "

@@ -96,12 +96,10 @@ def mermaid(plan: Plan, scope: str | None = None) -> str:
     def op_node(index: int) -> str:
         """An op drawn in the scope, or one outside it (full module name, its own shape) where an edge needs it."""
         op = plan.ops[index]
-        how = ("local, replicated (DTensor has no rule)" if op.local else
-               f"in {', '.join(_fmt(p) for p in op.inputs)} -> out {', '.join(_fmt(p) for p in op.outputs)}")
         head = f"%{index} {_short(op.node.signature)}"
         if index in drawn:
-            return node(f"op{index}", "[" + label(head, _relative(op.node.fqn, scope), how) + "]")
-        return node(f"op{index}", "(" + label(head, op.node.fqn or "<root>", how) + ")", "outside")
+            return node(f"op{index}", "[" + label(head, _relative(op.node.fqn, scope), op.how) + "]")
+        return node(f"op{index}", "(" + label(head, op.node.fqn or "<root>", op.how) + ")", "outside")
 
     def source(tid: int) -> str:
         producer = graph.producer(tid)
