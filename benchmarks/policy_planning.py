@@ -7,7 +7,7 @@ running HiGHS, how many solves the derivation ran (one more per round of proofs 
 fingerprint (a hash of every op's and parameter's placements). ``--save FILE`` writes the
 results as JSON; ``--compare FILE`` prints them beside a saved run (e.g. the same script run on another tree) and
 says whether each plan is the same. ``--capture DIR`` writes every solve's HiGHS model to DIR as MPS, to replay
-a slow solve (e.g. with highspy's ``readModel``) without tracing again.
+a slow solve (e.g. with highspy's ``readModel``) without tracing again (the writing counts in the model time).
 
     PYTHONPATH=. python benchmarks/policy_planning.py [--cases 4:8:none 2x2:8:none 2x2:8:hand 2x2:2:none]
         [--repeat 2] [--save out.json] [--compare base.json] [--capture DIR]
@@ -130,7 +130,8 @@ def main() -> None:
         best["same_across_repeats"] = len({r["fingerprint"] for r in runs}) == 1
         results[case] = best
         line = (f"{case:12} plan {best['plan_s']:6.2f} s (model {best['model_s']:5.2f} s, HiGHS {best['highs_s']:5.2f}"
-                f" s, {best['rounds']} solves) cost {best['cost_us']:.3f} us gap {best['gap']:.2%} plan {best['fingerprint']}")
+                f" s, {best['rounds']} solves) cost {best['cost_us']:.3f} us gap {best['gap']:.2%}"
+                f" plan {best['fingerprint']}")
         if case in before:
             b = before[case]
             same = "same plan" if b["fingerprint"] == best["fingerprint"] else "OTHER PLAN"
