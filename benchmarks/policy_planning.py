@@ -3,12 +3,14 @@ change meant only to make planning faster can be checked to return the same plan
 
 Each case plans from an empty candidates cache (``derive._FOUND`` cleared) `--repeat` times; the best time is
 reported with the modelled cost, the proven gap, the time spent building the HiGHS model (``solve._model``) and
-running HiGHS, and the fingerprint (a hash of every op's and parameter's placements). ``--save FILE`` writes the
+running HiGHS, how many solves the derivation ran (one more per round of proofs that changed the model), and the
+fingerprint (a hash of every op's and parameter's placements). ``--save FILE`` writes the
 results as JSON; ``--compare FILE`` prints them beside a saved run (e.g. the same script run on another tree) and
-says whether each plan is the same.
+says whether each plan is the same. ``--capture DIR`` writes every solve's HiGHS model to DIR as MPS, to replay
+a slow solve (e.g. with highspy's ``readModel``) without tracing again (the writing counts in the model time).
 
     PYTHONPATH=. python benchmarks/policy_planning.py [--cases 4:8:none 2x2:8:none 2x2:8:hand 2x2:2:none]
-        [--repeat 2] [--save out.json] [--compare base.json]
+        [--repeat 2] [--save out.json] [--compare base.json] [--capture DIR]
 
 A case is MESH:LAYERS:BUDGET, BUDGET 'none' or 'hand' (the bytes per rank the torchtitan-style hand plan of
 policy_quality.py holds, measured once per mesh before timing).
@@ -46,20 +48,49 @@ def _timed(module, name: str, spent: dict):
     return inner
 
 
+def _counted(module, name: str):
+    """Wrap module.name to count its calls (the wrapper's `calls`; its `inner` is what it wrapped)."""
+    inner = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        wrapper.calls += 1
+        return inner(*args, **kwargs)
+    wrapper.calls, wrapper.inner = 0, inner
+    setattr(module, name, wrapper)
+    return wrapper
+
+
 def fingerprint(plan) -> str:
     text = repr([(op.node.index, op.inputs, op.outputs, op.local) for op in plan.ops]) + repr(sorted(
         plan.params.items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def plan_once(shape: tuple[int, ...], layers: int, budget: int | None) -> dict:
+def _capturing(prefix: str):
+    """Wrap solve._model to write each model it builds to PREFIX_<round>.mps (HiGHS's MPS keeps the binary
+    columns; the budget's row is the last), so a slow solve can be replayed without tracing and proving again."""
+    inner = solve_module._model
+
+    def wrapper(problem, highspy):
+        h, first = inner(problem, highspy)
+        wrapper.rounds += 1
+        h.writeModel(f"{prefix}_{wrapper.rounds}.mps")
+        return h, first
+    wrapper.rounds = 0
+    solve_module._model = wrapper
+    return inner
+
+
+def plan_once(shape: tuple[int, ...], layers: int, budget: int | None, capture: str | None = None) -> dict:
     q.SIZES["num_hidden_layers"] = layers
     model = q.tiny("llama")
     ids, _ = q.batch()
     names = ("dp", "tp") if len(shape) == 2 else None
     spent: dict[str, float] = {}
-    originals = [(solve_module, "_model", _timed(solve_module, "_model", spent)),
-                 (adapter, "solve", _timed(adapter, "solve", spent))]
+    originals = [(solve_module, "_model", _capturing(capture))] if capture else []
+    originals += [(solve_module, "_model", _timed(solve_module, "_model", spent)),
+                  (adapter, "solve", _timed(adapter, "solve", spent))]
+    rounds = _counted(adapter, "solve")
     try:
         with simulated_mesh(shape, mesh_dim_names=names) as mesh:
             derive._FOUND.clear()
@@ -67,10 +98,10 @@ def plan_once(shape: tuple[int, ...], layers: int, budget: int | None) -> dict:
             plan = build_plan(model, mesh, (ids,), memory_budget=budget)
             total = time.perf_counter() - start
     finally:
-        for module, name, inner in originals:
+        for module, name, inner in reversed(originals + [(adapter, "solve", rounds.inner)]):
             setattr(module, name, inner)
     return dict(plan_s=total, model_s=spent.get("_model", 0.0), highs_s=spent.get("solve", 0.0) - spent.get(
-        "_model", 0.0), cost_us=plan.cost_s * 1e6, gap=plan.gap, fingerprint=fingerprint(plan))
+        "_model", 0.0), rounds=rounds.calls, cost_us=plan.cost_s * 1e6, gap=plan.gap, fingerprint=fingerprint(plan))
 
 
 def main() -> None:
@@ -79,6 +110,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--save")
     parser.add_argument("--compare")
+    parser.add_argument("--capture", metavar="DIR", help="write each solve's HiGHS model to DIR/<case>_<round>.mps")
     args = parser.parse_args()
     before = json.load(open(args.compare)) if args.compare else {}
     results, hand = {}, {}
@@ -92,12 +124,14 @@ def main() -> None:
                 r = q.measure("llama", shape, "hand")
                 hand[mesh] = q.STATE_COPIES * r["params"] + r["saved"]
             cap = hand[mesh]
-        runs = [plan_once(shape, int(layers), cap) for _ in range(args.repeat)]
+        prefix = os.path.join(args.capture, case.replace(":", "_")) if args.capture else None
+        runs = [plan_once(shape, int(layers), cap, prefix) for _ in range(args.repeat)]
         best = min(runs, key=lambda r: r["plan_s"])
         best["same_across_repeats"] = len({r["fingerprint"] for r in runs}) == 1
         results[case] = best
         line = (f"{case:12} plan {best['plan_s']:6.2f} s (model {best['model_s']:5.2f} s, HiGHS {best['highs_s']:5.2f}"
-                f" s) cost {best['cost_us']:.3f} us gap {best['gap']:.2%} plan {best['fingerprint']}")
+                f" s, {best['rounds']} solves) cost {best['cost_us']:.3f} us gap {best['gap']:.2%}"
+                f" plan {best['fingerprint']}")
         if case in before:
             b = before[case]
             same = "same plan" if b["fingerprint"] == best["fingerprint"] else "OTHER PLAN"
