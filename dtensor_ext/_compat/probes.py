@@ -100,12 +100,14 @@ def shard_to_partial_sum_supported() -> bool:
 def _moves_shard_to_partial(target: Partial) -> bool:
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
-    x = torch.zeros(2, 2)
-    try:  # rank 0 holds row 0; the move is local, so the probe mesh needs no process group
-        with outside_simulated_ranks():
+    # outside any dispatch mode: the first call may come from inside a fake run (a policy proof), where the probe's
+    # tensors would be fake and the move's verdict cached wrong (2.15 then gathered for every Shard -> Partial(sum))
+    with outside_dispatch_modes(), outside_simulated_ranks():
+        x = torch.zeros(2, 2)
+        try:  # rank 0 holds row 0; the move is local, so the probe mesh needs no process group
             redistribute_local_tensor(x[:1], probe_spec(x, (Shard(0),)), probe_spec(x, (target,)))
-    except RuntimeError:
-        return False
+        except RuntimeError:
+            return False
     return True
 
 

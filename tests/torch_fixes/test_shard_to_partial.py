@@ -65,3 +65,19 @@ def test_moves_torch_makes_are_unchanged():
     assert len(ran) > 20
     for pa, pb in ran:
         assert results[True, pa, pb] == results[False, pa, pb], (pa, pb)
+
+
+def test_the_feature_check_is_the_same_inside_a_fake_run():
+    """The first Shard -> Partial move can come from inside a fake run (a policy proof): the check then ran on fake
+    tensors, its verdict was cached, and torch 2.15, which makes the move itself, was taken to refuse it (every later
+    Shard -> Partial(sum) went through an all-gather)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    outside = shard_to_partial_sum_supported()
+    shard_to_partial_sum_supported.cache_clear()
+    try:
+        with FakeTensorMode():
+            inside = shard_to_partial_sum_supported()
+    finally:
+        shard_to_partial_sum_supported.cache_clear()
+    assert inside == outside
