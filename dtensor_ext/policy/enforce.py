@@ -125,7 +125,7 @@ class PlanExecutor:
                         distribute_tensor(param.detach(), self.mesh, list(placements)),
                         requires_grad=param.requires_grad)
                 module._parameters[name] = done[id(param)]
-        for param in dict.fromkeys(model.parameters()):  # those a ParallelStyle distributed too
+        for param in model.parameters():  # those a ParallelStyle distributed too
             if isinstance(param, DTensor) and param.requires_grad:
                 param.register_hook(functools.partial(_reduced_gradient, list(param.placements)))
 

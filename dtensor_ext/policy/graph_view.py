@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 
 from dtensor_ext._compat import TorchDispatchMode, local_tensor_values, torch_op_names
 
-__all__ = ["HOST_READ_OPS", "ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs", "replace_tensors",
-           "tensors_in", "trace_graph", "unique_tensors"]
+__all__ = ["HOST_READ_OPS", "ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs",
+           "replace_tensors", "tensors_in", "trace_graph", "unique_tensors"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _POLICY_DIR = os.path.dirname(__file__)

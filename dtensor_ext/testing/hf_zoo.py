@@ -2,8 +2,8 @@
 real model code.
 
 Every model has hidden 64, 8 query heads over 4 key/value heads (so grouped-query attention runs; DeepSeek-V3's
-latent attention: 8), 2 layers and a small vocabulary; MoE models have 4 experts, 2 per token. `transformers` is a test dependency only: importing
-this module without it raises ImportError naming the extra to install.
+latent attention: 8), 2 layers and a small vocabulary; MoE models have 4 experts, 2 per token. `transformers` is a
+test dependency only: importing this module without it raises ImportError naming the extra to install.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from dtensor_ext._compat import shard_to_partial_sum_supported
+from dtensor_ext._compat import fake_tensor_mode, shard_to_partial_sum_supported
 from dtensor_ext.testing import local_values, place_dtensor, simulated_mesh
 from tests.torch_fixes.sharded_runs import pair_runs_without_and_with_fixes
 
@@ -71,12 +71,10 @@ def test_the_feature_check_is_the_same_inside_a_fake_run():
     """The first Shard -> Partial move can come from inside a fake run (a policy proof): the check then ran on fake
     tensors, its verdict was cached, and torch 2.15, which makes the move itself, was taken to refuse it (every later
     Shard -> Partial(sum) went through an all-gather)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     outside = shard_to_partial_sum_supported()
     shard_to_partial_sum_supported.cache_clear()
     try:
-        with FakeTensorMode():
+        with fake_tensor_mode():
             inside = shard_to_partial_sum_supported()
     finally:
         shard_to_partial_sum_supported.cache_clear()
