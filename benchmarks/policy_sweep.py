@@ -1,14 +1,14 @@
 """A stress sweep of the policy adapter: Hugging Face models x meshes x cost models x memory budgets, each plan
 built, applied and run (forward + backward of the model's own loss) on simulated ranks, then checked against one
-device and against its own printout.
+device and against its own printout (forward and backward collectives).
 
 Cost models far from the default push the solver into corners the quality table never visits: a bandwidth-only
 model (``alpha0``) shards nearly everything, a high-latency one (``alpha1ms``) moves as rarely as it can, a tight
 budget forces sharded parameters. Each line says OK (loss and every gradient within 1e-4 of one device, and the
-forward ran exactly the collectives the plan lists), MISMATCH (right values, other collectives than listed),
-WRONG (values), REFUSED (a PolicyError, with its message) or ERROR (anything else); the exit status is 1 when any
-line is MISMATCH, WRONG or ERROR. Two defects it found are now tests: tests/policy/test_index_writes.py and
-tests/policy/test_moves_as_dtensor_runs.py.
+forward and the backward ran exactly the collectives the plan lists), MISMATCH (right values, other collectives
+than listed), WRONG (values), REFUSED (a PolicyError, with its message) or ERROR (anything else); the exit status
+is 1 when any line is MISMATCH, WRONG or ERROR. Two defects it found are now tests:
+tests/policy/test_index_writes.py and tests/policy/test_moves_as_dtensor_runs.py.
 
     PYTHONPATH=. python benchmarks/policy_sweep.py [--models llama mixtral] [--meshes 4 2x2]
         [--costs ideal alpha0 alpha1ms] [--budgets none 0.5 0.8]
@@ -59,7 +59,10 @@ def run_case(name: str, mesh_shape: tuple[int, ...], cost: str, budget: float | 
             with CommStatsMode() as stats:
                 loss = model(ids, labels=labels).loss
             ran = Counter(dict(stats.stats.collectives))
-            loss.backward()
+            listed_back = Counter(kind for kind, _ in plan.backward_collectives())
+            with CommStatsMode() as stats:
+                loss.backward()
+            ran_back = Counter(dict(stats.stats.collectives))
             grads = dict(reference.named_parameters())
             error = max([_worst_error(loss, expected.loss)] + [_worst_error(p.grad, grads[n].grad)
                                                                for n, p in model.named_parameters()])
@@ -67,8 +70,10 @@ def run_case(name: str, mesh_shape: tuple[int, ...], cost: str, budget: float | 
         return "REFUSED", str(exc)[:300]
     except Exception as exc:  # noqa: BLE001 - the sweep reports every failure and goes on
         return "ERROR", f"{type(exc).__name__}: {str(exc)[:300]}"
-    status = "WRONG" if error > 1e-4 else "MISMATCH" if ran != listed or plan.deviations else "OK"
-    return status, (f"error {error:.1e}, planned in {planned_s:.1f} s, listed {dict(listed)}, ran {dict(ran)}"
+    status = ("WRONG" if error > 1e-4 else "MISMATCH" if ran != listed or ran_back != listed_back or plan.deviations
+              else "OK")
+    return status, (f"error {error:.1e}, planned in {planned_s:.1f} s, listed {dict(listed)}, ran {dict(ran)}, "
+                    f"backward listed {dict(listed_back)}, ran {dict(ran_back)}"
                     f"{f', deviations {plan.deviations[:2]}' if plan.deviations else ''}")
 
 

@@ -33,6 +33,7 @@ from dtensor_ext.policy.constraints import Constraint, load_constraints
 from dtensor_ext.policy.derive import (Candidate, CandidateCache, NodeOptions, is_inplace, local_shape,
                                       operand_tensors, splits)
 from dtensor_ext.policy.errors import PolicyError
+from dtensor_ext.policy.gradients import gradient_move, partial_groups, reduction_stops
 from dtensor_ext.policy.graph_view import GraphView, OpNode, tensors_in, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
@@ -255,38 +256,34 @@ def _moves(plan: Plan) -> dict[int, list[tuple]]:
 def _backward_moves(plan: Plan) -> list[tuple[int, int, str, list]]:
     """The backward's collectives as the solve prices them: per edge, (reader op, its operand slot, what, the
     collectives moving the gradient back to the value's placements, its Partial mesh dims left to the reduction),
-    then per value and mesh dim where a chosen reader sends a Partial gradient, (the first such reader, the slot it
-    reads the value at, what, the reduction of the whole value)."""
+    then per value whose chosen readers send it a Partial gradient, (the first such reader, the slot it reads the
+    value at, what, the one reduction of the summed gradient into the value's placement), or one per group of
+    readers where they are grouped (policy.gradients)."""
     from dtensor_ext.policy.styles import held_placements
 
-    found, partial_dims = [], {}
+    found, first_readers, groups = [], {}, partial_groups(plan)
     for op in plan.ops:
         for slot, tid in enumerate(op.node.operand_ids):
             value = plan.graph.tensors[tid]
             g = op.grads[slot] if slot < len(op.grads) else None
             if g is None or not value.is_floating_point():
                 continue
-            src, back_to = _gradient_move(held_placements(plan, tid), g)
-            for m, x in enumerate(g):
-                if x.is_partial():
-                    partial_dims.setdefault((tid, m), (op.node.index, slot))
+            src, back_to = gradient_move(held_placements(plan, tid), g)
+            if any(x.is_partial() for x in g):
+                first_readers.setdefault(tid, {}).setdefault(
+                    frozenset(m for m, x in enumerate(g) if x.is_partial()), (op.node.index, slot))
             taken = [] if src == back_to else _collectives(plan.mesh, value, src, back_to)
             if taken:  # a local cut moves nothing: not listed
                 found.append((op.node.index, slot, f"gradient of input {slot}: {_fmt(src)} -> {_fmt(back_to)}", taken))
-    for (tid, m), (reader, slot) in partial_dims.items():
-        value, replicate = plan.graph.tensors[tid], (Replicate(),) * plan.mesh.ndim
-        src = tuple(Partial() if d == m else Replicate() for d in range(plan.mesh.ndim))
-        found.append((reader, slot, f"reduce the Partial gradient of {list(value.shape)} on mesh dim {m}",
-                      _collectives(plan.mesh, value, src, replicate)))
+    for tid, (partial, grouped) in groups.items():
+        value = plan.graph.tensors[tid]
+        for dims in partial if grouped else [frozenset().union(*partial)]:
+            reader, slot = first_readers[tid][dims] if grouped else min(first_readers[tid].values())
+            stops = reduction_stops(held_placements(plan, tid), dims)
+            taken = [step for a, b in zip(stops, stops[1:]) for step in _collectives(plan.mesh, value, a, b)]
+            found.append((reader, slot, f"reduce the Partial gradient of {list(value.shape)}"
+                          f"{' (one group of readers)' if grouped else ''}: {' -> '.join(map(_fmt, stops))}", taken))
     return found
-
-
-def _gradient_move(held: tuple, g: tuple) -> tuple[tuple, tuple]:
-    """(from, to) of a reader's gradient `g` on its way back to a value held at `held`: to the value's placements,
-    a Partial value's as Replicate; on the mesh dims where `g` is Partial it stays, to be reduced once for all
-    readers (see _reduction_s)."""
-    back_to = tuple(Replicate() if x.is_partial() else x for x in held)
-    return tuple(b if x.is_partial() else x for x, b in zip(g, back_to)), back_to
 
 
 def _forward_steps(moves: dict[int, list[tuple]], returned: dict[int, list]) -> list[tuple[str, int]]:
@@ -544,7 +541,10 @@ def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callab
 
 # --- the derivation ---------------------------------------------------------------------------------------------
 
-TIE_S_PER_BYTE = 1e-18
+# a byte held costs far less than any modelled time (a GB 1 us, where moving it takes milliseconds), and enough
+# that HiGHS's tolerances (1e-7 of a microsecond) see a few hundred bytes: equal-time ties go to the smaller footprint
+# (at 1e-18 s a 384-byte difference was below them, and which of two tied plans came back followed the LP's path)
+TIE_S_PER_BYTE = 1e-15
 # parameters, gradients and Adam's two moments: the bytes a rank holds per parameter byte
 STATE_COPIES = 4
 
@@ -679,8 +679,13 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
             u, o = producers[tid]
             edges.append((u, o, sink, 0, pricer(graph.tensors[tid])))
     names = [str(n) for n in graph.nodes] + [f"source {t}" for t in sources] + ["outputs"]
-    reductions = [(_reduction_s(graph.tensors[tid], model, m), found, m) for tid, found in readers.items()
-                  if graph.tensors[tid].is_floating_point() for m in range(mesh.ndim)]
+    reductions = []
+    for tid, found in readers.items():
+        if graph.tensors[tid].is_floating_point():
+            u, o = producers[tid] if tid in producers else (source_rows[tid], 0)
+            places = {option[1][o] for option in options[u]}
+            reductions += [({p: _reduction_s(mesh, graph.tensors[tid], model, moves, p, m) for p in places}, found, m)
+                           for m in range(mesh.ndim)]
     memory = (memory_budget, held) if memory_budget is not None else None
     same_as = repeated_rows(graph, options, source_rows) if share_layers else {}
     return Problem(options, edges, names, reductions, memory, copies, same_as), source_rows
@@ -769,29 +774,17 @@ def _compute_s(found: NodeOptions, c: Candidate) -> float:
 
 def _pricer(value: torch.Tensor, model, mesh: DeviceMesh, moves: dict):
     """cost(p, q, g): move the producer's placements p to the consumer's q (the steps DTensor's redistribution
-    takes for the whole N-D move, priced by the cost model), then the gradient g back to p; None where DTensor
-    cannot (into Partial, or a move its planner refuses). `moves` caches the prices by shape and placements: the
-    moves, and each (p, q, g) (the edges of repeated layers and of same-shaped values ask for the same ones)."""
+    takes for the whole N-D move, priced by the cost model), then the gradient g back to p (its Partial mesh dims
+    aside: the value's reduction prices them); None where DTensor cannot (into Partial, or a move its planner
+    refuses). `moves` caches the prices by shape and placements: the moves, and each (p, q, g) (the edges of
+    repeated layers and of same-shaped values ask for the same ones)."""
     shape, floating = (tuple(value.shape), value.dtype), value.is_floating_point()
 
-    def move(src, dst) -> float | None:
-        if src == dst:
-            return 0.0
-        if any(d.is_partial() and s != d for s, d in zip(src, dst)):
-            return None  # DTensor only makes Partial values inside ops, never by redistributing to them
-        key = (shape, src, dst)
-        if key not in moves:
-            try:
-                moves[key] = sum(step.time_s for step in _collectives(mesh, value, src, dst, model))
-            except Exception:  # noqa: BLE001 - DTensor cannot plan this move: the pair is never chosen
-                moves[key] = None
-        return moves[key]
-
     def both_ways(p, q, g) -> float | None:
-        forward = move(p, q)
+        forward = _move_s(mesh, value, model, moves, p, q)
         if forward is None or g is None or not floating:
             return forward
-        back = move(*_gradient_move(p, g))
+        back = _move_s(mesh, value, model, moves, *gradient_move(p, g))
         return None if back is None else forward + back
 
     def price(p, q, g) -> float | None:
@@ -803,10 +796,31 @@ def _pricer(value: torch.Tensor, model, mesh: DeviceMesh, moves: dict):
     return price
 
 
-def _reduction_s(value: torch.Tensor, model, mesh_dim: int) -> float:
-    """Reducing the summed Partial gradients of a value on one mesh dim: priced as an all-reduce of the whole
-    value."""
-    return model.collective_time("all_reduce", (mesh_dim,), value.numel() * value.element_size())
+def _move_s(mesh: DeviceMesh, value: torch.Tensor, model, moves: dict, src: tuple, dst: tuple) -> float | None:
+    """The modelled time of DTensor's move of `value` from `src` to `dst`, cached in `moves`; None where DTensor
+    cannot (into Partial, or a move its planner refuses)."""
+    if src == dst:
+        return 0.0
+    if any(d.is_partial() and s != d for s, d in zip(src, dst)):
+        return None  # DTensor only makes Partial values inside ops, never by redistributing to them
+    key = ((tuple(value.shape), value.dtype), src, dst)
+    if key not in moves:
+        try:
+            moves[key] = sum(step.time_s for step in _collectives(mesh, value, src, dst, model))
+        except Exception:  # noqa: BLE001 - DTensor cannot plan this move: the pair is never chosen
+            moves[key] = None
+    return moves[key]
+
+
+def _reduction_s(mesh: DeviceMesh, value: torch.Tensor, model, moves: dict, held: tuple, mesh_dim: int) -> float:
+    """Reducing the summed Partial gradients of a value held at `held` on one mesh dim, straight into its
+    placement there (policy.gradients): a reduce-scatter into a Shard, an all-reduce into a Replicate."""
+    stops = reduction_stops(held, {mesh_dim})
+    times = [_move_s(mesh, value, model, moves, a, b) for a, b in zip(stops, stops[1:])]
+    if None in times:
+        raise PolicyError(f"the gradient of a {list(value.shape)} value", "placements", _fmt(held),
+                          "a placement DTensor can reduce a Partial gradient into")
+    return sum(times)
 
 
 def _last_writes(graph: GraphView) -> dict[int, int]:

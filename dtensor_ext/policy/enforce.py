@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from dtensor_ext.policy.errors import PolicyError
+from dtensor_ext.policy.gradients import move_for_reading, partial_groups, read_in_group, reduce_partial_gradient
 from dtensor_ext._compat import TorchDispatchMode
 from dtensor_ext.policy.graph_view import HOST_READ_OPS, op_outputs, replace_tensors, tensors_in, unique_tensors
 
@@ -57,7 +58,26 @@ class PlanExecutor:
         # ops of modules a ParallelStyle runs: its hooks prepared their inputs as planned (policy.styles)
         self.styled = {k for c in (plan.styles or {}).values() for k in range(c.ops[0], c.ops[1] + 1)}
         self.in_style_hooks = False  # the torch calls a style's hooks make to move tensors are not the model's ops
+        # (op, operand slot) -> (its group's mesh dims, the value's placements) for the readers of values whose
+        # Partial gradients are reduced per group of readers (policy.gradients); the groups' steps of this forward
+        self.groups = self._reads_in_groups()
+        self.grouped: dict[tuple, DTensor] = {}
         self.mode = _PlanMode(self)
+
+    def _reads_in_groups(self) -> dict[tuple[int, int], tuple[frozenset, tuple]]:
+        from dtensor_ext.policy.styles import held_placements
+
+        found = {}
+        for tid, (_, grouped) in partial_groups(self.plan).items():
+            if grouped:
+                held = held_placements(self.plan, tid)
+                for node in self.plan.graph.consumers(tid):
+                    grads = self.plan.ops[node.index].grads
+                    for slot, t in enumerate(node.operand_ids):
+                        g = grads[slot] if t == tid and slot < len(grads) else None
+                        if g is not None and any(x.is_partial() for x in g):
+                            found[node.index, slot] = frozenset(m for m, x in enumerate(g) if x.is_partial()), held
+        return found
 
     def install(self, model: torch.nn.Module) -> None:
         self._distribute_parameters(model)
@@ -68,7 +88,7 @@ class PlanExecutor:
             try:
                 return _full(self._run_from(0, forward, args, kwargs), self.aliases)
             finally:  # the moved copies stay alive only as long as autograd needs them, not until the next step
-                self.reduced, self.aliases = {}, {}
+                self.reduced, self.aliases, self.grouped = {}, {}, {}
 
         model.forward = planned_forward
         for fqn in self.plan.styles or {}:
@@ -104,7 +124,7 @@ class PlanExecutor:
     def _run_from(self, position: int, forward, args, kwargs):
         if self.running:
             return forward(*args, **kwargs)
-        self.position, self.running, self.reduced, self.aliases = position, True, {}, {}
+        self.position, self.running, self.reduced, self.aliases, self.grouped = position, True, {}, {}, {}
         try:
             with self.mode:
                 return forward(*args, **kwargs)
@@ -135,10 +155,10 @@ class PlanExecutor:
         if list(d.placements) == target:
             return d
         if not any(p.is_partial() for p in d.placements):
-            return d.redistribute(d.device_mesh, target)
+            return move_for_reading(d, target)
         if id(d) in self.reduced:
             return self._move(self.reduced[id(d)][1], target)
-        moved = d.redistribute(d.device_mesh, target)
+        moved = move_for_reading(d, target)
         self.reduced[id(d)] = (d, moved)
         return moved
 
@@ -150,12 +170,17 @@ class PlanExecutor:
                               f"the {len(op.inputs)} tensor inputs the trace recorded (the model ran differently)")
         replicate = [Replicate()] * self.mesh.ndim
         table = {}
-        for t, target in zip(operands, op.inputs):
+        for slot, (t, target) in enumerate(zip(operands, op.inputs)):
             if k in self.styled:  # a ParallelStyle's hooks prepared the module's inputs as planned
                 continue
             t_read = self.aliases[id(t)][1] if id(t) in self.aliases else t
             d = t_read if isinstance(t_read, DTensor) else DTensor.from_local(t_read, self.mesh, replicate,
                                                                               run_check=False)
+            if (k, slot) in self.groups:
+                dims, held = self.groups[k, slot]
+                if (id(t_read), dims) not in self.grouped:
+                    self.grouped[id(t_read), dims] = read_in_group(d, held)
+                d = self.grouped[id(t_read), dims]
             table[id(t)] = self._move(d, replicate if op.local else list(target))
         if op.local:
             out = func(*replace_tensors(args, {i: d.to_local() for i, d in table.items()}),
@@ -182,14 +207,15 @@ class PlanExecutor:
 def _planned_gradient(placements: list, grad):
     """An op output's gradient, summed over its readers, at the placement the plan priced and DTensor's backward
     of the op was checked with: the output's own (Replicate for a Partial output). Readers that leave a Partial
-    gradient (a column-parallel linear reading a replicated input) are thus reduced once, here, rather than the
-    Partial running on into the producer's backward, where DTensor would redistribute it its own way.
+    gradient (a column-parallel linear reading a replicated input) are thus reduced once, here, straight into the
+    output's placement (policy.gradients), rather than the Partial running on into the producer's backward, where
+    DTensor would redistribute it its own way.
     The gradient also gets a contiguous layout, locally and globally: DTensor's redistribute backward can return
     a gradient whose global strides (the forward value's, e.g. transposed) disagree with its shard's (contiguous
     after a collective); a later view's backward then fails in the local kernel."""
     if not isinstance(grad, DTensor):
         return None
-    moved = _moved_as_priced(grad, placements)
+    moved = reduce_partial_gradient(grad, placements)
     local = moved.to_local()
     if local.is_contiguous() and moved.stride() == _contiguous_strides(moved.shape):
         return None if moved is grad else moved
@@ -200,19 +226,12 @@ def _planned_gradient(placements: list, grad):
 
 def _reduced_gradient(placements: list, grad):
     """A parameter's gradient, summed over its readers, where some of them leave it Partial (Qwen3's per-head norm
-    weights read by a heads-sharded activation): reduced as the plan lists and prices it, then at the parameter's
-    placements. Left Partial, it reached `.grad` as it was, and the optimizer would reduce it (at each use)."""
+    weights read by a heads-sharded activation): reduced once, as the plan lists and prices it, straight into the
+    parameter's placements (policy.gradients). Left Partial, it reached `.grad` as it was, and the optimizer would
+    reduce it (at each use)."""
     if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
         return None
-    return _moved_as_priced(grad, placements)
-
-
-def _moved_as_priced(grad: DTensor, placements: list) -> DTensor:
-    """`grad` moved to `placements` as the plan lists and prices the move: each Partial mesh dim reduced by one
-    all-reduce of the value first, then the rest (DTensor alone would reduce-scatter a Partial into a Shard)."""
-    if any(p.is_partial() for p in grad.placements) and list(grad.placements) != placements:
-        grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
-    return grad.redistribute(grad.device_mesh, placements) if list(grad.placements) != placements else grad
+    return reduce_partial_gradient(grad, placements)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

@@ -48,9 +48,10 @@ class Problem:
     options: list[list[tuple]]
     edges: list[tuple]
     names: list[str]
-    # (cost, [(op, operand slot), ...], mesh dim): paid once when any of these ops' chosen candidates sends a
-    # gradient back through that slot that is Partial on that mesh dim (autograd sums the partial gradients first,
-    # DTensor then reduces once)
+    # ({the value's placement: cost}, [(op, operand slot), ...], mesh dim): paid once when any of these ops' chosen
+    # candidates sends a gradient back through that slot that is Partial on that mesh dim (autograd sums the
+    # partial gradients first, then one reduction into the value's placement: a reduce-scatter into a Shard costs
+    # less than an all-reduce into a Replicate)
     reductions: list[tuple] = field(default_factory=list)
     # (bytes per rank, {option row: bytes held per candidate}): the memory the chosen candidates hold, capped
     memory: tuple | None = None
@@ -175,6 +176,7 @@ def _model(problem: Problem, highspy):
     copied: dict[int, float] = {}  # transport column -> bytes a rank holds when that move is chosen
     shared_blocks: dict[tuple, dict] = {}  # (producer row, slot, consumer row, slot) after ties -> its block
     layouts = _Layouts(problem)
+    reading: dict[tuple[int, int], dict] = {}  # (consumer row, operand slot) -> its edge's transport block
     for e, (u, slot_out, v, slot_in, price) in enumerate(problem.edges):
         layout = layouts.of(e, u, slot_out, v, slot_in, price)
         key = (problem.same_as.get(u, u), slot_out, problem.same_as.get(v, v), slot_in)
@@ -184,6 +186,7 @@ def _model(problem: Problem, highspy):
             block = {pair: len(costs) + i for i, pair in enumerate(layout.prices)}
             costs += [0.0] * len(block)
             shared_blocks.setdefault(key, block)
+        reading[v, slot_in] = block
         for pair, cost in layout.prices.items():
             costs[block[pair]] += cost
         for pair, nbytes in layout.copied:
@@ -194,7 +197,7 @@ def _model(problem: Problem, highspy):
             for end, ks in ends.items():
                 ys = [block[pair] for pair in by_end[end]]
                 rows.append((0.0, ys + [at + k for k in ks], [1.0] * len(ys) + [-1.0] * len(ks)))
-    for cost, readers, m in problem.reductions:
+    for by_placement, readers, m in problem.reductions:
         # per reader (tied readers by their leader's row, whose columns they share): its candidates that send a
         # Partial gradient back through the slot on mesh dim m
         sending: dict[int, set[int]] = {}
@@ -205,13 +208,27 @@ def _model(problem: Problem, highspy):
         if not sending:
             continue
         paid = len(costs)
-        costs.append(cost)
+        costs.append(min(by_placement.values()))
         # paid >= the sum of one reader's sending columns: at most one of an op's candidates is chosen, so the row
         # holds for integral choices as `paid >= x[v, k]` per column does, and on fractional ones it is tighter
         # (two sending candidates at 1/2 each ask for a whole payment, not half of one), which lifts the LP bound
         # HiGHS starts from (HF Llama 2x2: from 10% to 1.7% under the optimum)
         for columns in sending.values():
             rows.append((None, [paid] + sorted(columns), [1.0] + [-1.0] * len(columns)))
+        # where the value's placement makes the reduction dearer, a step column per price level above the least,
+        # at least each reader's transport columns that pair a placement that dear with a gradient Partial on m:
+        # the pairs, not the producer's and the readers' choices apart, so that the relaxation cannot pay the cheap
+        # reduction of one half-chosen placement for the gradient another half-chosen reader sends
+        levels = sorted(set(by_placement.values()))
+        for below, level in zip(levels, levels[1:]):
+            step = len(costs)
+            costs.append(level - below)
+            for v, slot in readers:
+                dear = [column for (p, (_, g, _)), column in reading[v, slot].items()
+                        if by_placement.get(layouts.placements[p], 0.0) >= level
+                        and layouts.placements[g] is not None and layouts.placements[g][m].is_partial()]
+                if dear:
+                    rows.append((None, [step] + dear, [1.0] + [-1.0] * len(dear)))
     if problem.memory is not None:
         cap, held = problem.memory
         bytes_at: dict[int, float] = dict(copied)

@@ -12,7 +12,10 @@ module gets a style only when a mechanical comparison proves it, never by its na
   the module on the meta device and the resulting parameters' placements are read back (torch decides, not a table);
 - the placement the style redistributes the input to is the one every op of the module reads it at, and what
   arrives is what the plan holds there (a producer's output placement; a plain model input is Replicate). A
-  Partial input must have no reader outside the module (the executor reduces a Partial value once for all readers);
+  Partial input must have no reader outside the module (the executor reduces a Partial value once for all readers),
+  and where the hook moves the input, the module's Partial gradient for it (which the hook's move reduces on its
+  way back) must be the only one: the plan sums the Partial gradients of all readers and reduces them once; and
+  no reader of the input may read it in a group (`policy.gradients.partial_groups`);
 - the module hands on one tensor, the last op's output, and the style leaves it at the solved placement (its
   ``output_layouts`` is that placement: the readers' moves stay the executor's, which reduces a Partial value once
   for all of them). A Partial with run-time state (an embedding's masked Partial) compares unequal to any
@@ -41,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_ext.policy.adapter import _short
+from dtensor_ext.policy.gradients import partial_groups
 
 __all__ = ["StyleChoice", "apply_styles", "held_placements", "proven_styles"]
 
@@ -74,9 +78,10 @@ def proven_styles(plan) -> dict[str, StyleChoice]:
             if p is not None:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     found, probes = {}, {}
+    grouped = {tid for tid, (_, by_groups) in partial_groups(plan).items() if by_groups}
     for fqn, call in graph.module_calls.items():
         if fqn and not any(True for _ in call.module.children()):
-            choice = _prove(plan, fqn, call, owners, probes)
+            choice = _prove(plan, fqn, call, owners, probes, grouped)
             if choice is not None:
                 found[fqn] = choice
     return found
@@ -88,7 +93,7 @@ def apply_styles(model: torch.nn.Module, plan, styles: dict[str, StyleChoice]) -
         parallelize_module(model.get_submodule(fqn), plan.mesh, choice.style)
 
 
-def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict) -> StyleChoice | None:
+def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict, grouped: set[int]) -> StyleChoice | None:
     graph = plan.graph
     first, last = call.first_op, call.last_op
     if call.count != 1 or first < 0:
@@ -130,6 +135,10 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict) -> StyleC
     arrives = held_placements(plan, x)
     if any(p.is_partial() for p in arrives) and _readers_outside(plan, x, span):
         return None
+    if arrives != reads[0] and _partial_gradient_from(plan, x, span) and _partial_gradient_from(plan, x, None, span):
+        return None  # the input hook's move would reduce this module's Partial gradient apart from the others'
+    if x in grouped:
+        return None  # its readers read it through their group's step (policy.gradients), which a style skips
     handed = [tid for tid in made_inside if _readers_outside(plan, tid, span)]
     last_outputs = graph.nodes[last].output_ids
     if handed != [last_outputs[0]] or len(last_outputs) != 1:
@@ -156,6 +165,18 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict) -> StyleC
         return StyleChoice(fqn, type(style)(input_layouts=arriving, output_layouts=solved_out, use_local_output=False),
                            (first, last), arrives[0], reads[0][0], solved_out)
     return None
+
+
+def _partial_gradient_from(plan, tid: int, inside: range | None, outside: range | None = None) -> bool:
+    """Whether a reader of the value in `inside` (or outside `outside`) sends it a gradient that is Partial."""
+    for node in plan.graph.consumers(tid):
+        if inside is not None and node.index not in inside or outside is not None and node.index in outside:
+            continue
+        grads = plan.ops[node.index].grads
+        if any(t == tid and slot < len(grads) and grads[slot] is not None and any(p.is_partial() for p in grads[slot])
+               for slot, t in enumerate(node.operand_ids)):
+            return True
+    return False
 
 
 def _candidates(read, plain_input: bool):

@@ -1,7 +1,8 @@
 """The integer program itself: on small random problems (diamonds, tied rows sharing columns and transport blocks,
-gradient reductions read by several ops, moved parameters held as copies, a binding memory budget) the solve
-returns the cheapest plan that enumerating every plan finds, at the cost it reports; and its LP relaxation prices a
-gradient reduction whole when the fractional choices split over an op's sending candidates."""
+gradient reductions read by several ops and priced by their producer's choice, moved parameters held as copies, a
+binding memory budget) the solve returns the cheapest plan that enumerating every plan finds, at the cost it
+reports; and its LP relaxation prices a gradient reduction whole when the fractional choices split over an op's
+sending candidates."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def _candidate(rng: random.Random, n_inputs: int) -> tuple:
 def _random_problem(seed: int) -> Problem:
     """Rows 0-5 are ops (0 a source; each later op reads one or two earlier ones, so dataflow forms diamonds),
     row 4 tied to row 1 and row 5 to row 2 (the same candidates), so the edges 1 -> 2 and 4 -> 5 may share a
-    block; gradient reductions over random readers; a memory budget between the smallest and the largest
-    footprint, with copies held where a moved operand is a parameter."""
+    block; gradient reductions over random readers, priced by the pick of a random producer row; a memory budget
+    between the smallest and the largest footprint, with copies held where a moved operand is a parameter."""
     rng = random.Random(seed)
     reads = {1: [0], 2: [1, 0], 3: [2, 1], 4: [3], 5: [4, 3]}
     options = [[((), (rng.choice(_PLACES[:3]),), (), rng.uniform(0, 1e-6)) for _ in range(2)]]
@@ -63,7 +64,9 @@ def _random_problem(seed: int) -> Problem:
             # the tied pair's edges price alike, as repeated layers do, and so do the two edges that row 0 feeds
             edges.append((u, 0, v, slot, pricer({(4, 5): (1, 2), (0, 2): (0, 1)}.get((u, v), (u, v)))))
     readers = [(v, slot) for v, producers in reads.items() for slot in range(len(producers))]
-    reductions = [(rng.uniform(1e-6, 8e-6), rng.sample(readers, rng.randint(1, 3)), 0) for _ in range(3)]
+    # priced by the placement the value is read from, on a few levels (a reduce-scatter, an all-reduce)
+    reductions = [({p: rng.choice([1e-6, 3e-6, 8e-6]) for p in _PLACES}, rng.sample(readers, rng.randint(1, 3)), 0)
+                  for _ in range(3)]
     held = {v: [rng.choice([100, 400, 1600]) for _ in options[v]] for v in range(6)}
     problem = Problem(options, edges, [str(v) for v in range(6)], reductions, None, copies, {4: 1, 5: 2})
     footprints = sorted(m for _, m in _every_plan(problem, held))
@@ -95,9 +98,12 @@ def _cost_and_bytes(problem: Problem, held: dict, picks) -> tuple[float, float] 
         cost += moved
         if e in problem.copies and p != q:
             nbytes += problem.copies[e][picks[v]]
-    for paid, readers, m in problem.reductions:
-        if any(option[v][2][slot] is not None and option[v][2][slot][m].is_partial() for v, slot in readers):
-            cost += paid
+    read_from = {(v, slot_in): option[u][1][slot_out] for u, slot_out, v, slot_in, _ in problem.edges}
+    for by_placement, readers, m in problem.reductions:
+        sending = [(v, slot) for v, slot in readers
+                   if option[v][2][slot] is not None and option[v][2][slot][m].is_partial()]
+        if sending:  # once, at the dearest placement a sending reader reads the value from
+            cost += max(by_placement[read_from[reader]] for reader in sending)
     return cost, nbytes
 
 
@@ -152,7 +158,7 @@ def test_the_relaxation_pays_a_reduction_whole_when_an_ops_sending_candidates_sp
     r, s0, p = (Replicate(),), (Shard(0),), (Partial(),)
     options = [[((), (r,), (), 0.0)],
                [((r,), (r,), (p,), 0.0), ((r,), (s0,), (p,), 0.0), ((r,), (r,), (r,), 0.9e-6)]]
-    problem = Problem(options, [(0, 0, 1, 0, lambda *_: 0.0)], ["source", "op"], [(1e-6, [(1, 0)], 0)])
+    problem = Problem(options, [(0, 0, 1, 0, lambda *_: 0.0)], ["source", "op"], [({r: 1e-6}, [(1, 0)], 0)])
     picks, cost, _ = solve(problem, "test")
     assert picks[1] == 2 and cost == pytest.approx(0.9e-6)
     h, _ = _model(problem, highspy)
@@ -161,6 +167,25 @@ def test_the_relaxation_pays_a_reduction_whole_when_an_ops_sending_candidates_sp
     h.run()
     assert h.getInfo().objective_function_value / MICROSECONDS == pytest.approx(0.9e-6)
 
+
+def test_the_relaxation_prices_a_reduction_by_the_placement_its_reader_pairs_with():
+    """A value is (S(0), R) or (R, S(0)) on a 2-D mesh; its reader reads it unmoved and sends a gradient Partial on
+    the mesh dim where it is whole, so every plan pays one all-reduce (2 us; a reduce-scatter would be 1 us). Priced
+    by the producer's and the reader's choices apart, the relaxation took each at 1/2 and paid on each mesh dim the
+    reduce-scatter of the placement that dim's half did not send from (1 us in all); priced by the edge's pairs
+    it pays the plan's 2 us, so the relaxation is the plan."""
+    r, s0, p = Replicate(), Shard(0), Partial()
+    options = [[((), ((s0, r),), (), 0.0), ((), ((r, s0),), (), 0.0)],
+               [(((r, s0),), ((r, r),), ((p, s0),), 0.0), (((s0, r),), ((r, r),), ((s0, p),), 0.0)]]
+    reductions = [({(s0, r): 1e-6, (r, s0): 2e-6}, [(1, 0)], 0), ({(r, s0): 1e-6, (s0, r): 2e-6}, [(1, 0)], 1)]
+    problem = Problem(options, [(0, 0, 1, 0, lambda a, b, _: 0.0 if a == b else None)], ["source", "op"], reductions)
+    _, cost, _ = solve(problem, "test", optimality_gap=0.0)
+    assert cost == pytest.approx(2e-6)
+    h, _ = _model(problem, highspy)
+    n = h.getNumCol()
+    h.changeColsIntegrality(n, list(range(n)), [highspy.HighsVarType.kContinuous] * n)
+    h.run()
+    assert h.getInfo().objective_function_value / MICROSECONDS == pytest.approx(2e-6)
 
 
 def test_without_a_budget_the_relaxation_decides_where_integral_and_the_mip_where_not(monkeypatch):
