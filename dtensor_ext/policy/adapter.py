@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
 from dtensor_ext.policy.constraints import Constraint, load_constraints
@@ -261,7 +261,7 @@ def _backward_moves(plan: Plan) -> list[tuple[int, int, str, list]]:
     readers where they are grouped (policy.gradients)."""
     from dtensor_ext.policy.styles import held_placements
 
-    found, first_readers, groups = [], {}, partial_groups(plan)
+    found = []
     for op in plan.ops:
         for slot, tid in enumerate(op.node.operand_ids):
             value = plan.graph.tensors[tid]
@@ -269,16 +269,14 @@ def _backward_moves(plan: Plan) -> list[tuple[int, int, str, list]]:
             if g is None or not value.is_floating_point():
                 continue
             src, back_to = gradient_move(held_placements(plan, tid), g)
-            if any(x.is_partial() for x in g):
-                first_readers.setdefault(tid, {}).setdefault(
-                    frozenset(m for m, x in enumerate(g) if x.is_partial()), (op.node.index, slot))
             taken = [] if src == back_to else _collectives(plan.mesh, value, src, back_to)
             if taken:  # a local cut moves nothing: not listed
                 found.append((op.node.index, slot, f"gradient of input {slot}: {_fmt(src)} -> {_fmt(back_to)}", taken))
-    for tid, (partial, grouped) in groups.items():
+    for tid, (by_dims, grouped) in partial_groups(plan).items():
         value = plan.graph.tensors[tid]
+        partial = {dims: reads[0] for dims, reads in by_dims.items() if dims}
         for dims in partial if grouped else [frozenset().union(*partial)]:
-            reader, slot = first_readers[tid][dims] if grouped else min(first_readers[tid].values())
+            reader, slot = partial[dims] if grouped else min(partial.values())
             stops = reduction_stops(held_placements(plan, tid), dims)
             taken = [step for a, b in zip(stops, stops[1:]) for step in _collectives(plan.mesh, value, a, b)]
             found.append((reader, slot, f"reduce the Partial gradient of {list(value.shape)}"

@@ -67,17 +67,9 @@ class PlanExecutor:
     def _reads_in_groups(self) -> dict[tuple[int, int], tuple[frozenset, tuple]]:
         from dtensor_ext.policy.styles import held_placements
 
-        found = {}
-        for tid, (_, grouped) in partial_groups(self.plan).items():
-            if grouped:
-                held = held_placements(self.plan, tid)
-                for node in self.plan.graph.consumers(tid):
-                    grads = self.plan.ops[node.index].grads
-                    for slot, t in enumerate(node.operand_ids):
-                        g = grads[slot] if t == tid and slot < len(grads) else None
-                        if g is not None and any(x.is_partial() for x in g):
-                            found[node.index, slot] = frozenset(m for m, x in enumerate(g) if x.is_partial()), held
-        return found
+        return {read: (dims, held_placements(self.plan, tid))
+                for tid, (by_dims, grouped) in partial_groups(self.plan).items() if grouped
+                for dims, reads in by_dims.items() if dims for read in reads}
 
     def install(self, model: torch.nn.Module) -> None:
         self._distribute_parameters(model)

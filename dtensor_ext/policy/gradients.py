@@ -86,31 +86,27 @@ def move_for_reading(value: DTensor, target) -> DTensor:
     return _Move.apply(value, tuple(target))
 
 
-def partial_groups(plan) -> dict[int, tuple[list[frozenset], bool]]:
-    """Per value that some chosen reader sends a Partial gradient: the sets of mesh dims its readers' gradients are
-    Partial on (each set once, in reading order), and whether the readers are grouped by them (`read_in_group`):
-    where those sets differ, or some readers send a whole gradient beside a Partial one. Not where the value is
-    Partial itself, or its memory is written in place (a group's step is a view: autograd refuses an in-place
-    write through it)."""
+def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]]], bool]]:
+    """Per floating value that some chosen reader sends a Partial gradient: its reads (op, operand slot) by the
+    set of mesh dims their gradients are Partial on (the empty set: whole gradients), in reading order, and whether
+    the readers are grouped by those sets (`read_in_group`): where they differ, or some readers send a whole
+    gradient beside a Partial one. Not where the value is Partial itself, or its memory is written in place (a
+    group's step is a view: autograd refuses an in-place write through it)."""
     from dtensor_ext.policy.adapter import _last_writes
     from dtensor_ext.policy.styles import held_placements
 
-    sets: dict[int, list[frozenset]] = {}
+    reads: dict[int, dict[frozenset, list[tuple[int, int]]]] = {}
     for op in plan.ops:
         for slot, tid in enumerate(op.node.operand_ids):
             g = op.grads[slot] if slot < len(op.grads) else None
             if g is not None:
                 dims = frozenset(m for m, x in enumerate(g) if x.is_partial())
-                if dims not in sets.setdefault(tid, []):
-                    sets[tid].append(dims)
+                reads.setdefault(tid, {}).setdefault(dims, []).append((op.node.index, slot))
     written = _last_writes(plan.graph)
-    found = {}
-    for tid, dims in sets.items():
-        partial = [d for d in dims if d]
-        if partial and plan.graph.tensors[tid].is_floating_point():
-            found[tid] = partial, (len(dims) > 1 and plan.graph.storage(tid) not in written
-                                   and not any(p.is_partial() for p in held_placements(plan, tid)))
-    return found
+    return {tid: (by_dims, len(by_dims) > 1 and plan.graph.storage(tid) not in written
+                  and not any(p.is_partial() for p in held_placements(plan, tid)))
+            for tid, by_dims in reads.items()
+            if any(by_dims) and plan.graph.tensors[tid].is_floating_point()}
 
 
 class _ReadInGroup(torch.autograd.Function):

@@ -78,10 +78,10 @@ def proven_styles(plan) -> dict[str, StyleChoice]:
             if p is not None:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     found, probes = {}, {}
-    grouped = {tid for tid, (_, by_groups) in partial_groups(plan).items() if by_groups}
+    partial = partial_groups(plan)
     for fqn, call in graph.module_calls.items():
         if fqn and not any(True for _ in call.module.children()):
-            choice = _prove(plan, fqn, call, owners, probes, grouped)
+            choice = _prove(plan, fqn, call, owners, probes, partial)
             if choice is not None:
                 found[fqn] = choice
     return found
@@ -93,7 +93,7 @@ def apply_styles(model: torch.nn.Module, plan, styles: dict[str, StyleChoice]) -
         parallelize_module(model.get_submodule(fqn), plan.mesh, choice.style)
 
 
-def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict, grouped: set[int]) -> StyleChoice | None:
+def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict, partial: dict) -> StyleChoice | None:
     graph = plan.graph
     first, last = call.first_op, call.last_op
     if call.count != 1 or first < 0:
@@ -135,10 +135,13 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict, grouped: 
     arrives = held_placements(plan, x)
     if any(p.is_partial() for p in arrives) and _readers_outside(plan, x, span):
         return None
-    if arrives != reads[0] and _partial_gradient_from(plan, x, span) and _partial_gradient_from(plan, x, None, span):
-        return None  # the input hook's move would reduce this module's Partial gradient apart from the others'
-    if x in grouped:
-        return None  # its readers read it through their group's step (policy.gradients), which a style skips
+    if x in partial:
+        by_dims, grouped = partial[x]
+        if grouped:
+            return None  # its readers read it through their group's step (policy.gradients), which a style skips
+        sending = [k for dims, where in by_dims.items() if dims for k, _ in where]
+        if arrives != reads[0] and any(k in span for k in sending) and any(k not in span for k in sending):
+            return None  # the input hook's move would reduce this module's Partial gradient apart from the others'
     handed = [tid for tid in made_inside if _readers_outside(plan, tid, span)]
     last_outputs = graph.nodes[last].output_ids
     if handed != [last_outputs[0]] or len(last_outputs) != 1:
@@ -165,18 +168,6 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict, grouped: 
         return StyleChoice(fqn, type(style)(input_layouts=arriving, output_layouts=solved_out, use_local_output=False),
                            (first, last), arrives[0], reads[0][0], solved_out)
     return None
-
-
-def _partial_gradient_from(plan, tid: int, inside: range | None, outside: range | None = None) -> bool:
-    """Whether a reader of the value in `inside` (or outside `outside`) sends it a gradient that is Partial."""
-    for node in plan.graph.consumers(tid):
-        if inside is not None and node.index not in inside or outside is not None and node.index in outside:
-            continue
-        grads = plan.ops[node.index].grads
-        if any(t == tid and slot < len(grads) and grads[slot] is not None and any(p.is_partial() for p in grads[slot])
-               for slot, t in enumerate(node.operand_ids)):
-            return True
-    return False
 
 
 def _candidates(read, plain_input: bool):
