@@ -539,10 +539,10 @@ def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callab
 
 # --- the derivation ---------------------------------------------------------------------------------------------
 
-# a byte held costs far less than any modelled time (a GB 1 us, where moving it takes milliseconds), and enough
-# that HiGHS's tolerances (1e-7 of a microsecond) see a few hundred bytes: equal-time ties go to the smaller footprint
-# (at 1e-18 s a 384-byte difference was below them, and which of two tied plans came back followed the LP's path)
-TIE_S_PER_BYTE = 1e-15
+# equal-time ties lean to the smaller footprint: a byte held costs far less than any modelled time. Below HiGHS's
+# tolerances for a few hundred bytes (which of two tied tiny plans comes back follows the LP's path); 1e-15 decided
+# those ties but made HF Llama 2x2's plan under half its replicated state take over 17 minutes instead of 4.6
+TIE_S_PER_BYTE = 1e-18
 # parameters, gradients and Adam's two moments: the bytes a rank holds per parameter byte
 STATE_COPIES = 4
 
@@ -632,7 +632,7 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
     options, held = [], {}
     for node in graph.nodes:
         kept = candidates[node.index]
-        # ties go to the smaller footprint: a byte held costs far less than any modelled time
+        # ties lean to the smaller footprint: a byte held costs far less than any modelled time
         options.append([(c.inputs, c.outputs, c.grads, _compute_s(work[node.index], c) + TIE_S_PER_BYTE * c.saved)
                         for c in kept])
         held[node.index] = [c.saved for c in kept]

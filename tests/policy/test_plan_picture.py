@@ -57,7 +57,7 @@ flowchart TD
   %% plan for Pair on mesh (4,)
   op0["%0 linear<br/>fc1<br/>in (R), (S(0)), (S(0)) -#62; out (S(2))"]
   op1["%1 softmax<br/>#60;root#62;<br/>in (R) -#62; out (R)"]
-  op2["%2 linear<br/>fc2<br/>in (S(2)), (S(1)), (R) -#62; out (P)"]
+  op2["%2 linear<br/>fc2<br/>in (R), (S(1)), (R) -#62; out (P)"]
   x0[/"input [4, 8, 8]<br/>(R)"/]
   x0 --> op0
   w0[("fc1.weight<br/>[16, 8] (S(0))")]
@@ -65,9 +65,9 @@ flowchart TD
   w1[("fc1.bias<br/>[16] (S(0))")]
   w1 --> op0
   op0 -->|"(S(2)) -#62; (R): all_gather 1,536 B"| op1
-  op1 -->|"(R) -#62; (S(2)): no collective (a local cut)<br/>backward gradient of input 0: (S(2)) -#62; (R): all_gather 1,536 B"| op2
-  w2[("fc2.weight<br/>[8, 16] (S(1))")]
-  w2 --> op2
+  op1 -->|"backward gradient of input 0: (S(2)) -#62; (R): all_gather 1,536 B"| op2
+  w2[("fc2.weight<br/>[8, 16] (R)")]
+  w2 -->|"(R) -#62; (S(1)): no collective (a local cut)"| op2
   w3[("fc2.bias<br/>[8] (R)")]
   w3 --> op2
   y7[/"output [4, 8, 8]<br/>(R)"/]

@@ -68,7 +68,7 @@ NORM_ON_TOKENS = """\
 
 class LaunchBound(IdealCostModel):
     """Every collective costs the same 10 us: an all-reduce beats the all-gather and reduce-scatter of a sharded
-    parameter (the ring model prices the two alike, and the tie goes to the sharded one's smaller footprint)."""
+    parameter (the ring model prices the two alike, a tie the sharded one may win on its smaller footprint)."""
 
     def collective_time(self, kind: str, mesh_dims: tuple[int, ...], bytes_per_rank: int) -> float:
         return 1e-5
