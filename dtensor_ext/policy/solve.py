@@ -225,7 +225,7 @@ def _model(problem: Problem, highspy):
             costs.append(level - below)
             for v, slot in readers:
                 dear = [column for (p, (_, g, _)), column in reading[v, slot].items()
-                        if by_placement.get(layouts.placements[p], 0.0) >= level
+                        if by_placement[layouts.placements[p]] >= level
                         and layouts.placements[g] is not None and layouts.placements[g][m].is_partial()]
                 if dear:
                     rows.append((None, [step] + dear, [1.0] + [-1.0] * len(dear)))
