@@ -291,7 +291,8 @@ def _apply_torch_fixes(entries: list[RegistryEntry]) -> list[Callable[[], None]]
     undos = []
     for fix in declared_fixes().values():
         try:
-            undo = fix.apply()
+            with _compat.probing_context():  # the feature checks, also when install() runs under a meta device
+                undo = fix.apply()
         except _compat.TorchLacks as lack:
             entries.extend(
                 RegistryEntry(op, "torch fix", NEEDS_NEWER_TORCH, None, fix.where, needs=lack.needs) for op in fix.ops

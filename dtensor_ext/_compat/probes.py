@@ -21,7 +21,7 @@ from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtensor_ext._compat.propagation import clear_sharding_caches, propagate_cold, propagator
-from dtensor_ext._compat.testing import outside_dispatch_modes, outside_simulated_ranks
+from dtensor_ext._compat.testing import outside_simulated_ranks, probing_context
 from dtensor_ext._compat.types import tensor_meta
 
 
@@ -100,9 +100,9 @@ def shard_to_partial_sum_supported() -> bool:
 def _moves_shard_to_partial(target: Partial) -> bool:
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
-    # outside any dispatch mode: the first call may come from inside a fake run (a policy proof), where the probe's
-    # tensors would be fake and the move's verdict cached wrong (2.15 then gathered for every Shard -> Partial(sum))
-    with outside_dispatch_modes(), outside_simulated_ranks():
+    # outside any mode: the first call may come from inside a fake run (a policy proof), where the probe's tensors
+    # would be fake and the move's verdict cached wrong (2.15 then gathered for every Shard -> Partial(sum))
+    with probing_context():
         x = torch.zeros(2, 2)
         try:  # rank 0 holds row 0; the move is local, so the probe mesh needs no process group
             redistribute_local_tensor(x[:1], probe_spec(x, (Shard(0),)), probe_spec(x, (target,)))
@@ -126,7 +126,8 @@ def probe_mesh(shape: Sequence[int]):
     from torch.distributed.device_mesh import DeviceMesh
 
     with outside_simulated_ranks():
-        return DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(tuple(shape)), _init_backend=False, _rank=0)
+        mesh = torch.arange(math.prod(shape), device="cpu").reshape(tuple(shape))
+        return DeviceMesh("cpu", mesh, _init_backend=False, _rank=0)
 
 
 def probe_spec(t: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int] = (2,)) -> DTensorSpec:
@@ -214,7 +215,7 @@ def at_first_dtensor_use(callback: Callable[[], None]) -> Callable[[bool], None]
                 return
             armed[0] = False
             try:
-                with outside_simulated_ranks(), outside_dispatch_modes():
+                with probing_context():
                     callback()
             finally:
                 put_back()

@@ -77,6 +77,15 @@ def set_rank_results_combiner(combine: Callable) -> None:
 
 
 @contextlib.contextmanager
+def probing_context():
+    """Context in which feature probes run torch as a plain CPU process, whatever the caller is inside: outside
+    simulated ranks, dispatch modes (fake, LocalTensor) and torch function modes (`with torch.device("meta")`, a
+    default device, a user's mode), so a probe's tiny inputs are real CPU tensors."""
+    with outside_simulated_ranks(), outside_dispatch_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
+@contextlib.contextmanager
 def outside_simulated_ranks():
     """Context in which a probe mesh is an ordinary mesh also under LocalTensorMode (which patches DeviceMesh to
     answer for its simulated ranks)."""
