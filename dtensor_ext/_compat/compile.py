@@ -17,11 +17,28 @@ def fake_mode_of(values: Sequence[Any]):
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)]) or FakeTensorMode()
 
 
-def fake_tensor_mode():
-    """A fresh FakeTensorMode (shapes and dtypes only, no data), for running ops to see what DTensor does."""
+def fake_tensor_mode(like: Sequence[Any] = ()):
+    """The FakeTensorMode the fake tensors among `like` live in, else a fresh one (shapes and dtypes only, no
+    data), for running ops to see what DTensor does; plain tensors may meet its fake ones."""
+    from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return detect_fake_mode([v for v in like if isinstance(v, torch.Tensor)]) or FakeTensorMode(
+        allow_non_fake_inputs=True)
+
+
+def value_dependent_errors() -> tuple[type[Exception], ...]:
+    """What a fake tensor raises where a call needs tensor values it does not have (``.item()``, ``bool(t)``,
+    an output shape that depends on values)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return DataDependentOutputException, DynamicOutputShapeException
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the memory a tensor lives in (views share their base's), also for fake and meta tensors,
+    whose memory has no address."""
+    return t.untyped_storage()._cdata
 
 
 @contextlib.contextmanager

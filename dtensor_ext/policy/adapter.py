@@ -366,7 +366,6 @@ def build_plan(
         raise PolicyError("build_plan", "constraints/policy", "both",
                           "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
     start = time.perf_counter()
-    _require_values(model, example_inputs)
     graph = _trace_outside_simulation(model, example_inputs)
     recompute_ids, stage_ids, hooks, requirements = {}, {}, [], {}
     if constraints is not None:
@@ -399,19 +398,6 @@ def build_plan(
                           "model replicated (nothing to parallelize)")
     return Plan(mesh, graph, ops, params, regions, stages, hooks, cost, time.perf_counter() - start,
                 shared_layers=shared, gap=gap)
-
-
-def _require_values(model: torch.nn.Module, example_inputs) -> None:
-    """The trace runs the forward once on the tensors given: meta tensors have no values for the data-dependent
-    calls models make (Hugging Face checks its attention mask with `.all()` and reads it as a bool)."""
-    where = next((f"parameter {name}" for name, p in model.named_parameters() if p.is_meta), None)
-    if where is None:
-        inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        where = next((f"example input {k}" for k, v in enumerate(inputs) for t in tensors_in(v) if t.is_meta), None)
-    if where is not None:
-        raise PolicyError("build_plan", "model/example_inputs", f"{where} on the meta device",
-                          "tensors with values (the trace runs the forward once): materialize the model on the CPU "
-                          "or its device, e.g. load its weights, before planning")
 
 
 def _trace_outside_simulation(model, example_inputs) -> GraphView:

@@ -235,12 +235,13 @@ def prove_combinations(node: OpNode, mesh: DeviceMesh, combos: list[tuple], para
 def _fake_runs(operands):
     """Fake copies of the operands, outside the simulated ranks and any dispatch mode; DTensor's sharding caches
     are cleared afterwards: its cached strategies hold stateful placements (an embedding's _MaskPartial keeps the
-    mask it made), and the fake runs' fake masks would meet the real run of the same op. A strided shard's offsets
+    mask it made), and the fake runs' fake masks would meet the real run of the same op. A trace made on fake
+    tensors (a model on the meta device) is run in its own fake mode. A strided shard's offsets
     (two mesh dims sharding tensor dims that a view flattens together) are worked out on plain ints, as a real run
     does: fake tensors cannot hold them. DTensor's redistribution plans (which price every strategy it weighs) are
     kept across runs, as a real run keeps them, not planned again for each op of each run."""
     with (outside_simulated_ranks(), outside_dispatch_modes(), _quiet_fake_kernels(), strided_offsets_on_plain_ints(),
-          redistribution_plans_kept(), fake_tensor_mode() as fake):
+          redistribution_plans_kept(), fake_tensor_mode(like=operands) as fake):
         try:
             yield [fake.from_tensor(t) for t in operands]
         finally:

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from dtensor_ext._compat import TorchDispatchMode, local_tensor_values, torch_op_names
+from dtensor_ext._compat import (TorchDispatchMode, fake_tensor_mode, local_tensor_values, pytree, storage_key,
+                                torch_op_names, value_dependent_errors)
+from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["HOST_READ_OPS", "ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs",
            "replace_tensors", "tensors_in", "trace_graph", "unique_tensors"]
@@ -170,8 +172,7 @@ class GraphView:
         value = self.tensors[tensor_id]
         value = next(iter((local_tensor_values(value) or {0: value}).values()))  # a simulated rank's own memory
         try:
-            memory = value.untyped_storage()
-            return memory.data_ptr() if memory.nbytes() else None
+            return storage_key(value) if value.untyped_storage().nbytes() else None
         except (RuntimeError, NotImplementedError):  # sparse layouts, storages of tensor subclasses
             return None
 
@@ -315,7 +316,14 @@ class _Recorder(TorchFunctionMode):
         kwarg_ids = tuple(self.tensor_id(v) for v in kwargs.values() if isinstance(v, torch.Tensor))
         operand_ids = tuple(dict.fromkeys(self.tensor_id(t) for t in tensors_in((args, kwargs))))
         reads_before = self.host_reads.count
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except value_dependent_errors() as exc:  # only on fake tensors: a model planned from the meta device
+            fqn = self.stack[-1][0] if self.stack else ""
+            raise PolicyError(f"{fqn or '<root>'} [{_caller_expression()}]", "trace", op_names(func)[0],
+                              "calls whose results do not depend on tensor values: a model on the meta device is "
+                              f"traced on fake tensors, which have none ({type(exc).__name__}); materialize the "
+                              "model to trace it with values, or keep the branch out of the planned forward") from None
         outputs = op_outputs(func, args, out)
         name = getattr(func, "__name__", "")
         if name in ("__get__", "__set__"):
@@ -342,20 +350,50 @@ class _Recorder(TorchFunctionMode):
 
 def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object]) -> GraphView:
     """Run `model(*example_inputs)` once without gradients and record every torch-level op it makes, and every
-    call that reads a tensor's values into Python."""
+    call that reads a tensor's values into Python. A model or inputs on the meta device are traced on fake
+    tensors instead (`on_meta`): no weight is materialized and no flop is computed."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     recorder = _Recorder(model)
-    params = {id(p): name for name, p in model.named_parameters()}
+    if on_meta(model, example_inputs):
+        with fake_tensor_mode() as mode:
+            state = {name: _fake_like(t, mode) for name, t in (*model.named_parameters(), *model.named_buffers())}
+            example_inputs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, mode), example_inputs)
+        params = {id(state[name]): name for name, _ in model.named_parameters()}
+
+        def forward():
+            with mode:
+                return torch.func.functional_call(model, state, tuple(example_inputs))
+    else:
+        params = {id(p): name for name, p in model.named_parameters()}
+
+        def forward():
+            return model(*example_inputs)
     try:
         with torch.no_grad(), recorder, recorder.host_reads:
-            out = model(*example_inputs)
+            out = forward()
     finally:
         recorder.remove_hooks()
     outputs = tuple(recorder._ids[id(t)] for t in tensors_in(_as_container(out)) if id(t) in recorder._ids)
     ids = {tid: t for tid, t in enumerate(recorder._alive)}
     param_ids = {tid: params[id(t)] for tid, t in ids.items() if id(t) in params}
     return GraphView(model, recorder.nodes, recorder.calls, param_ids, outputs, ids)
+
+
+def on_meta(model: torch.nn.Module, example_inputs: Sequence[object]) -> bool:
+    """Whether a parameter, buffer or example input lives on the meta device (a model built there to be planned
+    before its weights exist)."""
+    state = (*model.parameters(), *model.buffers(), *tensors_in(list(example_inputs)))
+    return any(t.is_meta for t in state)
+
+
+def _fake_like(t: torch.Tensor, mode) -> torch.Tensor:
+    """A fake tensor for `t`: a meta tensor's shape, strides and dtype on the CPU (fake tensors of one device
+    meet in every op), any other tensor as `mode` converts it."""
+    if not t.is_meta:
+        return mode.from_tensor(t)
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return fake.requires_grad_(t.requires_grad) if fake.is_floating_point() or fake.is_complex() else fake
 
 
 def _as_container(value):

@@ -204,13 +204,3 @@ def test_a_partition_dtensor_cannot_run_names_what_it_would_need(mesh_1d2):
         "expected a partition DTensor runs without communicating on mesh dim 0; input 0 sharded on dim 1: ")
     assert "DTensor communicates (all_gather_into_tensor x1)" in message
     assert message.endswith("Operand shards DTensor allows: none (only replicated)")
-
-
-def test_a_model_on_the_meta_device_is_refused_before_tracing(mesh_1d2):
-    model = MoEModel().to("meta")
-    with pytest.raises(PolicyError) as info:
-        build_plan(model, mesh_1d2, (torch.randn(6, 8),))
-    assert str(info.value).startswith("build_plan: field 'model/example_inputs' got 'parameter ")
-    assert "on the meta device'; expected tensors with values" in str(info.value)
-    with pytest.raises(PolicyError, match="got 'example input 0 on the meta device'"):
-        build_plan(MoEModel(), mesh_1d2, (torch.randn(6, 8, device="meta"),))

@@ -1,0 +1,114 @@
+"""Planning time and peak memory of build_plan on real model shapes built on the meta device (no weight is
+materialized): Hugging Face Llama-3-8B / 70B, Mixtral-8x7B and a DeepSeek-V3-shaped MoE with few layers.
+
+Each case runs in a fresh process (so its peak RSS is its own) on a simulated mesh and prints one line: the
+wall time of build_plan, split into the trace, candidates (enumeration and proofs), the HiGHS model build and
+HiGHS itself, and the process's peak RSS.
+
+    PYTHONPATH=. python benchmarks/policy_real_scale.py [--cases llama3-8b:2x4 llama3-8b:8x8 ...]
+        [--layers N] [--batch 1] [--seq 2048]
+
+A case is MODEL:MESH (MESH as 8 or 2x4); --layers overrides the model's depth (e.g. to see how time grows with
+it). The memory budget is the bytes per rank that fully sharded bf16 training state (parameters, gradients and
+two Adam moments) would hold times 1.5, so that the plan must shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+MODELS = {  # Hugging Face config overrides of the public models' shapes
+    "llama3-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
+    "llama3-70b": ("LlamaConfig", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)),
+    "mixtral-8x7b": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                           num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                           num_local_experts=8, num_experts_per_tok=2)),
+    "deepseek-v3-4l": ("DeepseekV3Config", dict(num_hidden_layers=4, first_k_dense_replace=1)),
+}
+
+
+def _timed(module, name: str, spent: dict):
+    inner = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+    setattr(module, name, wrapper)
+
+
+def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, seq: int) -> dict:
+    import torch
+    import transformers
+
+    import dtensor_ext  # noqa: F401
+    from dtensor_ext.policy import adapter, build_plan, graph_view
+    from dtensor_ext.policy import solve as solve_module
+    from dtensor_ext.testing import simulated_mesh
+
+    config_name, sizes = MODELS[model_name]
+    config = getattr(transformers, config_name)(**sizes)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    shape = tuple(int(n) for n in mesh_text.split("x"))
+    world = 1
+    for n in shape:
+        world *= n
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
+    spent: dict[str, float] = {}
+    _timed(adapter, "trace_graph", spent)
+    _timed(adapter, "_derive", spent)
+    _timed(solve_module, "_model", spent)
+    _timed(adapter, "solve", spent)
+    names = ("dp", "tp") if len(shape) == 2 else None
+    with simulated_mesh(shape, mesh_dim_names=names) as mesh:
+        start = time.perf_counter()
+        plan = build_plan(model, mesh, (ids,), memory_budget=int(state / world * 1.5))
+        total = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dict(model=model_name, mesh=mesh_text, layers=config.num_hidden_layers, ops=len(plan.graph.nodes),
+                plan_s=round(total, 1), trace_s=round(spent.get("trace_graph", 0), 1),
+                candidates_s=round(spent.get("_derive", 0) - spent.get("solve", 0), 1),
+                highs_model_s=round(spent.get("_model", 0), 1),
+                highs_s=round(spent.get("solve", 0) - spent.get("_model", 0), 1),
+                peak_rss_gb=round(rss / 2**30, 2), cost_us=round(plan.cost_s * 1e6, 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["llama3-8b:2x4", "llama3-8b:8x8"])
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # run one case in this process (the child)
+    args = parser.parse_args()
+    if args.one:
+        model_name, mesh_text = args.one.split(":")
+        print(json.dumps(run_case(model_name, mesh_text, args.layers, args.batch, args.seq)))
+        return
+    for case in args.cases:
+        command = [sys.executable, __file__, "--one", case, "--batch", str(args.batch), "--seq", str(args.seq)]
+        if args.layers is not None:
+            command += ["--layers", str(args.layers)]
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if done.returncode:
+            print(f"{case}: failed\n{done.stderr[-3000:]}")
+            continue
+        print(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
