@@ -28,7 +28,7 @@ from dtensor_ext._compat.types import (  # noqa: F401
 )
 from dtensor_ext._compat.testing import (  # noqa: F401
     current_local_tensor_mode, enabled_local_tensor_mode, local_int, local_int_values, local_tensor_values, opinfo_db,
-    outside_dispatch_modes, outside_simulated_ranks, per_simulated_rank, probing_context, rank_results_combiner,
+    outside_dispatch_modes, outside_simulated_ranks, outside_torch_function_modes, per_simulated_rank, probing_context, rank_results_combiner,
     set_rank_results_combiner,
 )
 from dtensor_ext._compat.propagation import (  # noqa: F401

@@ -81,8 +81,14 @@ def probing_context():
     """Context in which feature probes run torch as a plain CPU process, whatever the caller is inside: outside
     simulated ranks, dispatch modes (fake, LocalTensor) and torch function modes (`with torch.device("meta")`, a
     default device, a user's mode), so a probe's tiny inputs are real CPU tensors."""
-    with outside_simulated_ranks(), outside_dispatch_modes(), torch._C.DisableTorchFunction():
+    with outside_simulated_ranks(), outside_dispatch_modes(), outside_torch_function_modes():
         yield
+
+
+def outside_torch_function_modes():
+    """Context in which torch calls reach no TorchFunctionMode (a device context, the policy executor): for the
+    package's own steps around a user's call, which are not the user's ops."""
+    return torch._C.DisableTorchFunction()
 
 
 @contextlib.contextmanager

@@ -302,18 +302,34 @@ def _inputs_for_autograd(values: list, grad_operands) -> list:
 
 
 def _work(node: OpNode, operands, fakes, grad_operands, param_operands) -> tuple[int, int, int]:
-    """The op's flops and bytes touched on one device, and the bytes autograd saves for its backward."""
+    """The op's flops and bytes touched on one device in a training step (its forward, and its backward where
+    the step differentiates it), and the bytes autograd saves for its backward."""
     inputs = _inputs_for_autograd([f.detach() for f in fakes], grad_operands)
     table = {id(t): f for t, f in zip(operands, inputs)}
     counter = FlopCounterMode(display=False)
     saved = _SavedBytes([inputs[k] for k in param_operands])
+    with torch.enable_grad(), counter:  # one block: entering the counter again would reset it
+        try:
+            with saved.hooks:
+                out = node.fn(*replace_tensors(node.args, table), **replace_tensors(node.kwargs, table))
+        except Exception:  # an op fake tensors cannot run is priced by its bytes alone
+            out = ()
+        touched = [*operands, *tensors_in(out)]
+        touched += _backward_work(tensors_in(out), [inputs[k] for k in sorted(grad_operands) if k < len(inputs)])
+    return counter.get_total_flops(), sum(t.numel() * t.element_size() for t in touched), saved.total
+
+
+def _backward_work(outs: list[torch.Tensor], wanted: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the op's backward (its flops count where the caller counts): the gradients flowing in and out."""
+    pairs = [(o, torch.ones_like(o)) for o in outs if o.requires_grad and o.is_floating_point()]
+    wanted = [w for w in wanted if w.requires_grad]
+    if not pairs or not wanted:
+        return []
     try:
-        with torch.enable_grad(), counter, saved.hooks:
-            out = node.fn(*replace_tensors(node.args, table), **replace_tensors(node.kwargs, table))
-    except Exception:  # an op fake tensors cannot run is priced by its bytes alone
-        out = ()
-    touched = sum(t.numel() * t.element_size() for t in [*operands, *tensors_in(out)])
-    return counter.get_total_flops(), touched, saved.total
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+    except Exception:  # a backward fake tensors cannot run is priced by its forward alone
+        return []
+    return [g for _, g in pairs] + [g for g in grads if g is not None]
 
 
 def _sharded(mesh: DeviceMesh, mesh_dim: int, placement) -> tuple:

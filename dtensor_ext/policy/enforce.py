@@ -62,6 +62,10 @@ class PlanExecutor:
         # Partial gradients are reduced per group of readers (policy.gradients); the groups' steps of this forward
         self.groups = self._reads_in_groups()
         self.grouped: dict[tuple, DTensor] = {}
+        # id(tensor) -> (it, the value it is): what an unplanned call returned that is its input itself, viewed
+        # alike (another tool's hook, such as CommDebugMode's module tracker, hands a module `x.view_as(x)`);
+        # planned ops read the value, so nothing of the plan changes
+        self.same_values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.mode = _PlanMode(self)
 
     def _reads_in_groups(self) -> dict[tuple[int, int], tuple[frozenset, tuple]]:
@@ -80,7 +84,7 @@ class PlanExecutor:
             try:
                 return _full(self._run_from(0, forward, args, kwargs), self.aliases)
             finally:  # the moved copies stay alive only as long as autograd needs them, not until the next step
-                self.reduced, self.aliases, self.grouped = {}, {}, {}
+                self.reduced, self.aliases, self.grouped, self.same_values = {}, {}, {}, {}
 
         model.forward = planned_forward
         for fqn in self.plan.styles or {}:
@@ -117,6 +121,7 @@ class PlanExecutor:
         if self.running:
             return forward(*args, **kwargs)
         self.position, self.running, self.reduced, self.aliases, self.grouped = position, True, {}, {}, {}
+        self.same_values = {}
         try:
             with self.mode:
                 return forward(*args, **kwargs)
@@ -156,15 +161,17 @@ class PlanExecutor:
 
     def run(self, k: int, func, args, kwargs):
         op = self.plan.ops[k]
-        operands = unique_tensors((args, kwargs))
+        operands = _traced_operands((op.node.args, op.node.kwargs), (args, kwargs))
         if len(operands) != len(op.inputs):
             raise PolicyError(f"running {op.node}", "inputs", len(operands),
                               f"the {len(op.inputs)} tensor inputs the trace recorded (the model ran differently)")
         replicate = [Replicate()] * self.mesh.ndim
         table = {}
-        for slot, (t, target) in enumerate(zip(operands, op.inputs)):
+        for slot, (arg, target) in enumerate(zip(operands, op.inputs)):
+            t = arg
             if k in self.styled:  # a ParallelStyle's hooks prepared the module's inputs as planned
                 continue
+            t = self.same_values.get(id(t), (None, t))[1]
             t_read = self.aliases[id(t)][1] if id(t) in self.aliases else t
             d = t_read if isinstance(t_read, DTensor) else DTensor.from_local(t_read, self.mesh, replicate,
                                                                               run_check=False)
@@ -173,7 +180,7 @@ class PlanExecutor:
                 if (id(t_read), dims) not in self.grouped:
                     self.grouped[id(t_read), dims] = read_in_group(d, held)
                 d = self.grouped[id(t_read), dims]
-            table[id(t)] = self._move(d, replicate if op.local else list(target))
+            table[id(arg)] = self._move(d, replicate if op.local else list(target))
         if op.local:
             out = func(*replace_tensors(args, {i: d.to_local() for i, d in table.items()}),
                        **replace_tensors(kwargs, {i: d.to_local() for i, d in table.items()}))
@@ -181,9 +188,10 @@ class PlanExecutor:
         moved_args = replace_tensors(args, table)
         out = func(*moved_args, **replace_tensors(kwargs, table))
         outs = op_outputs(func, moved_args, out)
-        for t in operands:
-            if id(t) in table and table[id(t)] is not t and any(o is table[id(t)] for o in outs):
-                self.aliases[id(t)] = (t, table[id(t)])
+        for arg in operands:
+            t = self.same_values.get(id(arg), (None, arg))[1]
+            if id(arg) in table and table[id(arg)] is not t and any(o is table[id(arg)] for o in outs):
+                self.aliases[id(t)] = (t, table[id(arg)])
         for o in outs:
             if isinstance(o, DTensor) and o.requires_grad:
                 o.register_hook(functools.partial(_planned_gradient, [
@@ -263,12 +271,57 @@ class _PlanMode(TorchFunctionMode):
         if k < len(nodes) and func == nodes[k].fn:
             ex.position += 1
             return ex.run(k, func, args, kwargs)
+        # an op the trace did not see (another tool's hook, an input the trace had not): run unplanned on DTensors,
+        # a plain tensor beside a DTensor as Replicate (it holds the same value on every rank)
+        operands = unique_tensors((args, kwargs))
+        if any(isinstance(t, DTensor) for t in operands):
+            whole = {id(t): DTensor.from_local(t, ex.mesh, [Replicate()] * ex.mesh.ndim, run_check=False)
+                     for t in operands if not isinstance(t, DTensor)}
+            args, kwargs = replace_tensors(args, whole), replace_tensors(kwargs, whole)
         with _WholeValueReads(ex.plan.deviations, func):
             out = func(*args, **kwargs)
-        if op_outputs(func, args, out):  # an op the trace did not see (autograd hooks, other inputs): run unplanned
+        outs = op_outputs(func, args, out)
+        same = [next((t for t in operands if _same_value(o, t)), None) for o in outs]
+        if outs and all(t is not None for t in same):
+            for o, t in zip(outs, same):
+                ex.same_values[id(o)] = (o, ex.same_values.get(id(t), (None, t))[1])
+        elif outs:
             ex.plan.deviations.append(f"unplanned {getattr(func, '__name__', func)} before "
                                       f"{nodes[k] if k < len(nodes) else 'the end'}")
         return out
+
+
+def _same_value(out: torch.Tensor, t: torch.Tensor) -> bool:
+    """`out` is `t` itself seen through a view that changes nothing: same shape, strides and placements."""
+    if not isinstance(out, DTensor) or not isinstance(t, DTensor) or out is t:
+        return False
+    return (out._base is t or (t._base is not None and out._base is t._base and out.storage_offset() ==
+            t.storage_offset())) and out.shape == t.shape and out.stride() == t.stride() and (
+        out.placements == t.placements)
+
+
+def _traced_operands(traced, running) -> list[torch.Tensor]:
+    """The call's tensors at the places where the trace had tensors, each object once. A Python value the trace
+    saw that arrives as a tensor (a torch fix turns `y[..., [-2], :]`'s list into a replicated DTensor) is an
+    argument of the op, not an operand the plan moves."""
+    found: list[torch.Tensor] = []
+
+    def walk(was, now):
+        if isinstance(was, torch.Tensor):
+            found.append(now)
+        elif isinstance(now, DTensor) and all(p.is_replicate() for p in now.placements):
+            return  # the trace's Python value, now a replicated DTensor
+        elif isinstance(was, (tuple, list)) and isinstance(now, (tuple, list)) and len(was) == len(now):
+            for a, b in zip(was, now):
+                walk(a, b)
+        elif isinstance(was, dict) and isinstance(now, dict) and was.keys() == now.keys():
+            for key in was:
+                walk(was[key], now[key])
+        else:
+            found.extend(tensors_in(now))
+
+    walk(traced, running)
+    return [t for t in {id(t): t for t in found if isinstance(t, torch.Tensor)}.values()]
 
 
 class _WholeValueReads(TorchDispatchMode):

@@ -68,12 +68,17 @@ def fix_list_indices():
     torch_getitem = own["__getitem__"] or torch.Tensor.__getitem__
     torch_setitem = own["__setitem__"] or torch.Tensor.__setitem__
 
+    # the index's conversion is the fix's own work, not the user's ops: a TorchFunctionMode (the policy executor)
+    # sees only the indexing itself
     def getitem(self, index):
-        return torch_getitem(self, _with_replicated_lists(self, index))
+        with _compat.outside_torch_function_modes():
+            index = _with_replicated_lists(self, index)
+        return torch_getitem(self, index)
 
     def setitem(self, index, value):
-        value = _replicated_if_rank_data(self, value)
-        return torch_setitem(self, _with_replicated_lists(self, index), value)
+        with _compat.outside_torch_function_modes():
+            value, index = _replicated_if_rank_data(self, value), _with_replicated_lists(self, index)
+        return torch_setitem(self, index, value)
 
     DTensor.__getitem__, DTensor.__setitem__ = getitem, setitem
 
