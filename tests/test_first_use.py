@@ -80,3 +80,51 @@ def test_settle_runs_or_drops_a_waiting_callback():
     _compat.at_first_dtensor_use(lambda: ran.append("dropped"))(False)
     DTensor.from_local(torch.zeros(2), _compat.probe_mesh((2,)), [Replicate()], run_check=False)  # nothing fires
     assert ran == ["run"]
+
+
+# The first DTensor use of a process inside a meta device, a default device or a fake mode, as torchtitan-style
+# meta-device init does it (issue 38): the deferred fixes' feature probes must run on real CPU tensors there, leave
+# the DTensor as torch alone makes it, and reach the same verdicts as an install() outside any mode.
+UNDER_A_MODE = r"""
+import sys, tempfile
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+import dtensor_ext
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+AMBIENT
+weight = model.weight
+assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), weight
+local = weight._local_tensor
+assert weight.device.type == DEVICE and type(local).__name__ == LOCAL, (weight.device, type(local))
+def state():
+    return sorted((e.op, e.family, e.status) for e in dtensor_ext.registry.__wrapped__())
+lazy = state()
+assert any(family == "torch fix" and status == "fixed" for _, family, status in lazy)
+dtensor_ext.uninstall()
+dtensor_ext.install()
+assert state() == lazy, "the probes decided otherwise under the mode than outside it"
+dist.destroy_process_group()
+print("ok")
+"""
+
+AMBIENTS = {  # how the first use is made -> (code, the weight's device type, its local tensor's type)
+    "meta device": ("with torch.device('meta'):\n"
+                    "    model = parallelize_module(nn.Linear(4, 4), mesh, ColwiseParallel())", "meta", "Tensor"),
+    "default device": ("torch.set_default_device('meta')\nmodel = parallelize_module(nn.Linear(4, 4), mesh, "
+                       "ColwiseParallel())\ntorch.set_default_device('cpu')", "meta", "Tensor"),
+    "fake mode": ("from torch._subclasses.fake_tensor import FakeTensorMode\nwith FakeTensorMode():\n    model = "
+                  "parallelize_module(nn.Linear(4, 4), mesh, ColwiseParallel())", "cpu", "FakeTensor"),
+}
+
+
+@pytest.mark.parametrize("ambient", sorted(AMBIENTS))
+def test_first_use_under_a_meta_device_or_a_fake_mode_parallelizes_as_torch_does(ambient):
+    code, device, local = AMBIENTS[ambient]
+    program = UNDER_A_MODE.replace("AMBIENT", code).replace("DEVICE", repr(device)).replace("LOCAL", repr(local))
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -172,7 +172,7 @@ def test_torch_fixes_are_applied_by_default_reported_and_undone_exactly():
         assert not any(e.family == "torch fix" for e in dtensor_ext.registry())
         entries = dtensor_ext.install()
         fixes = {e.op: e.status for e in entries if e.family == "torch fix"}
-        assert fixes["aten::convolution.default"] == "fixed" and fixes["aten::fill_.Scalar"] == "fixed"
+        assert fixes["aten::convolution.default"] == "fixed" and fixes["aten::expand.default"] == "fixed"
         assert _compat.custom_op_handler(aten.convolution.default) is not pristine_handlers[aten.convolution.default]
         dtensor_ext.uninstall()
         assert _propagator_tables() == pristine and _handlers() == pristine_handlers

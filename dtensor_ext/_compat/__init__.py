@@ -47,7 +47,7 @@ from dtensor_ext._compat.propagation import (  # noqa: F401
 from dtensor_ext._compat.probes import (  # noqa: F401
     at_first_dtensor_use, conv_handler_applies_redistribution, inplace_placement_refusal, output_placements, probe_dtensor, probe_mesh,
     probe_spec, probing_dtensor_ops, propagates, shard_to_partial_refused, shard_to_partial_sum_supported,
-    unbind_refuses_sharded_dim, view_groups_drops_empty_dims,
+    view_groups_drops_empty_dims,
 )
 from dtensor_ext._compat.dispatch import (  # noqa: F401
     custom_op_handler, dispatch_redistributor, load_linear_cross_entropy_ops, mask_buffer_type, own_rows,

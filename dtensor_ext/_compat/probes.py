@@ -70,13 +70,6 @@ def conv_handler_applies_redistribution(op: OpOverload, handler: Callable) -> bo
     return True  # it computed some other way, never on the unmoved pieces
 
 
-def unbind_refuses_sharded_dim() -> bool:
-    """Whether torch's sharding propagation refuses unbind along a sharded dim instead of replicating it (feature
-    check: unbind(0) of a [2, 2] tensor placed Shard(0) on a 2-rank probe mesh)."""
-    x = torch.zeros(2, 2)
-    return not propagates(torch.ops.aten.unbind.int, (probe_spec(x, (Shard(0),)), 0))
-
-
 def view_groups_drops_empty_dims() -> bool:
     """Whether torch's view dim mapping loses a size-0 dim in an identity view (feature check; the hanging
     cases are not probed)."""

@@ -1,10 +1,13 @@
 """Corrections for DTensor defects in the running torch: wrong results, or errors on inputs a strategy covers.
 
 A rule can only add strategies; some torch defects sit elsewhere (a dispatch handler that skips the redistribution
-its own propagation chose) or in a strategy that claims too much (`fill_` keeping `Partial(sum)`). A fix replaces
-exactly the faulty piece. `install()` applies every fix whose feature check finds the defect in the running torch
-(`install(fix_torch=False)` applies none) and `uninstall()` undoes them. A fix changes nothing torch already does
-right: its tests run torch's correct cases with and without it and compare placements and values.
+its own propagation chose) or in a strategy that claims too much (FFT rules passing `Partial(max)` through). A fix
+replaces exactly the faulty piece. `install()` applies every fix whose feature check finds the defect in the running
+torch (`install(fix_torch=False)` applies none) and `uninstall()` undoes them. A fix changes nothing torch already
+does right: its tests run torch's correct cases with and without it and compare placements and values. Where torch's
+own tests pin a behaviour (an in-place fill of a `Partial(sum)` tensor, placements through `empty_like`/`to_empty`,
+the refusal of a view op that would need a redistribution), no fix changes it
+(tests/torch_fixes/test_torch_semantics_kept.py).
 """
 
 from __future__ import annotations
@@ -62,9 +65,8 @@ def declared_fixes() -> dict[str, TorchFix]:
         conv_handlers, copy_variants, embedding_renorm, embedding_rows, empty_shards, empty_views, grouped_mm_meta,
         infeasible_choice, inplace_clamp, inplace_copy, inplace_shift, list_indices, logsumexp_keepdim, losses,
         index_put_rules, index_put_backward, mask_partial_pointwise, mask_partial_reads, mask_partial_views,
-        mean_as_sum, pad_mesh_dims, partial_fill, pinv_tolerances, replicate_first, searchsorted_sorter,
-        segment_reduce, selection_backward, shard_to_partial, batched_solves, uneven_rules, uneven_views, static_args,
-        inplace_squeeze,
+        mean_as_sum, pad_mesh_dims, pinv_tolerances, replicate_first, searchsorted_sorter, segment_reduce,
+        selection_backward, shard_to_partial, batched_solves, uneven_rules, uneven_views, static_args, inplace_squeeze,
     )
 
     return dict(_FIXES)

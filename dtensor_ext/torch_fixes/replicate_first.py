@@ -1,21 +1,21 @@
-"""Strategies that raise where the op only needs one input dim replicated first.
+"""A strategy that raises where the op only needs one input dim replicated first.
 
-Both ops below are ones torch itself shards by redistributing in the neighbouring cases; for one placement its
-strategy raises instead of choosing that redistribution. The fix hands torch's own strategy an input whose
-offending dims are replicated and charges the move against the real input, so torch still decides everything
-else; inputs without such a shard reach torch's strategy untouched.
+`expand` / `expand_copy` (`torch/distributed/tensor/_ops/_view_ops.py`, registered non-strict: they may
+redistribute) is one torch itself shards by redistributing in the neighbouring cases; for one placement its strategy
+raises instead of choosing that redistribution. A size-1 dim sharded over n ranks is whole on one rank and empty on
+the others; torch's `_ViewShardingPropagator` lets that shard survive analysis, then finds no output dim for it, and
+a bare `KeyError` surfaces as "RuntimeError: 1". The fix hands torch's own strategy an input whose broadcast dims are
+replicated and charges the move against the real input, so torch still decides everything else; inputs without such
+a shard reach torch's strategy untouched.
 
-- `expand` / `expand_copy` (`torch/distributed/tensor/_ops/_view_ops.py`, registered non-strict: they may
-  redistribute). A size-1 dim sharded over n ranks is whole on one rank and empty on the others; torch's
-  `_ViewShardingPropagator` lets that shard survive analysis, then finds no output dim for it, and a bare
-  `KeyError` surfaces as "RuntimeError: 1". The broadcast dim is replicated instead.
-- `unbind` (`_ops/_tensor_ops.py`: 2.13's `gen_unbind_strategy`, 2.15's single-dim rule, whose full-mesh filter
-  refuses any layout change) raises "Attempted to unbind along the sharded dimension" although `select`, `split`
-  and `slice` on a sharded dim replicate it. The unbind dim is replicated instead (on 2.15 the rule is expanded
-  for the replicated input, so its filter sees no layout change).
+Aliasing: like torch's `select`/`split`/`slice` on a sharded dim, the result then wraps a replicated copy, not the
+input's storage: an in-place change of the input afterwards does not reach it (on one device it would).
 
-Aliasing: like torch's `select`/`split`/`slice` on a sharded dim, the results then wrap a replicated copy, not the
-input's storage: an in-place change of the input afterwards does not reach them (on one device it would).
+Left to torch on purpose: `unbind` along a sharded dim. torch refuses it ("Attempted to unbind along the sharded
+dimension", 2.15: "Please redistribute the input explicitly before unbinding") and its own `test_unbind` pins that
+refusal: `unbind` returns views of its input, and DTensor refuses by design a view op that would need a
+redistribution. The package keeps that refusal (an earlier fix replicated the dim and returned copies); unbind along
+an unsharded dim runs as torch runs it. The user moves the input first (`x.redistribute(...)` or `full_tensor()`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from dtensor_ext import _compat
 from dtensor_ext._compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, Replicate, Shard, StridedShard
 from dtensor_ext.torch_fixes import applied_to, torch_fix
-from dtensor_ext.torch_fixes.strategy_swap import expand_single_dim, single_dim_as_op_strategy, wrap_strategies
+from dtensor_ext.torch_fixes.strategy_swap import wrap_strategies
 
 aten = torch.ops.aten
 
@@ -93,24 +93,3 @@ def fix_expand_broadcast():
         return None
     undo = wrap_strategies(ops, lambda torch_strategy: replicating_first(torch_strategy, broadcast_dims))
     return applied_to(ops, undo)
-
-
-def unbind_dim(op_schema: OpSchema) -> set[int]:
-    dim = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0
-    return {dim % op_schema.args_schema[0].ndim}
-
-
-@torch_fix(
-    "unbind along a sharded dim",
-    ops=("aten::unbind.int",),
-    why="torch raises 'Attempted to unbind along the sharded dimension' where select/split replicate that dim",
-)
-def fix_unbind_sharded_dim():
-    op = aten.unbind.int
-    if not _compat.unbind_refuses_sharded_dim():
-        return None
-    if _compat.torch_strategy_kind(op) == "single_dim":  # 2.15: the rule's full-mesh filter raises
-        return single_dim_as_op_strategy(
-            op, lambda rule: replicating_first(lambda op_schema: expand_single_dim(rule, op_schema), unbind_dim)
-        )
-    return wrap_strategies([op], lambda torch_strategy: replicating_first(torch_strategy, unbind_dim))

@@ -1,4 +1,5 @@
-"""expand of a sharded size-1 dim and unbind along a sharded dim: torch raises, the fix replicates that dim."""
+"""expand of a sharded size-1 dim: torch raises, the fix replicates that dim (unbind along a sharded dim stays refused
+as torch refuses it: tests/torch_fixes/test_torch_semantics_kept.py)."""
 
 import pytest
 import torch
@@ -43,32 +44,9 @@ def test_expanding_a_sharded_size_one_dim_fails_in_torch_and_is_right_when_fixed
 
 
 @MESHES
-def test_unbind_along_a_sharded_dim_fails_in_torch_and_is_right_when_fixed(fixed_ops, fix_state, mesh_shape):
-    """torch 2.13 (op_strategy) and 2.15 (single-dim rule with a full-mesh filter) both refuse; where the feature
-    check finds no refusal, torch alone must be right."""
+def test_cases_torch_got_right_keep_their_placements_and_collectives(mesh_shape):
     torch.manual_seed(0)
-    x = torch.randn(5, 3)
-    expected = x.unbind(0)
-    sharded = [p for p in layouts(x, len(mesh_shape)) if Shard(0) in p]
-    with simulated_mesh(mesh_shape) as mesh:
-        for placements in sharded:
-            x_d = place_dtensor(x, mesh, list(placements))
-            if fix_state == "torch only" and "aten::unbind.int" in fixed_ops["unbind along a sharded dim"]:
-                with pytest.raises(RuntimeError, match="unbind along the sharded dimension"):
-                    x_d.unbind(0)
-                continue
-            outs = x_d.unbind(0)
-            assert len(outs) == 5 and all(agrees(o, e) for o, e in zip(outs, expected)), placements
-
-
-@MESHES
-@pytest.mark.parametrize("case", ["expand", "unbind"])
-def test_cases_torch_got_right_keep_their_placements_and_collectives(mesh_shape, case):
-    torch.manual_seed(0)
-    if case == "expand":
-        x, run = torch.randn(5, 1, 3), EXPANDS["expand"]
-    else:
-        x, run = torch.randn(5, 3), lambda t: t.unbind(1)
+    x, run = torch.randn(5, 1, 3), EXPANDS["expand"]
     torch_results, fixed_results = correct_runs_without_and_with_fixes(run, x, mesh_shape)
     assert len(torch_results) >= 3  # R, P and the shards of dims the op keeps
     assert {p: fixed_results.get(p) for p in torch_results} == torch_results
