@@ -2,8 +2,8 @@
 parallelize it there, `to_empty` onto the CPU, initialize, and train one step, which must equal one device.
 
 The model is dtensor_ext's TinyLlama (torchtitan's module names) under torchtitan's TP+SP plan. Each parallelizer
-is a `parallelize(model, mesh)` that turns a meta-device model into a tensor-parallel one in place; a second one (the
-policy adapter) can be added to PARALLELIZERS and runs the same flow.
+is a `parallelize(model, mesh)` that turns a meta-device model into a tensor-parallel one in place: torch's
+ParallelStyles, and the package's policy adapter, which plans from the meta model itself (a fake trace).
 """
 
 from __future__ import annotations
@@ -26,7 +26,16 @@ def _parallel_styles(model, mesh) -> None:
     parallelize_module(model, mesh, torchtitan_plan(model.config))
 
 
-PARALLELIZERS = {"parallel_styles": _parallel_styles}
+def _policy_adapter(model, mesh) -> None:
+    """The package's plan, searched under the shipped TP+SP YAML policy from the meta model itself (fake trace)."""
+    from dtensor_ext.models import policy_text
+    from dtensor_ext.policy import parallelize
+
+    tokens, _ = _batch()
+    parallelize(model, mesh, (tokens.to("meta"),), constraints=policy_text("llama_tp_sp"))
+
+
+PARALLELIZERS = {"parallel_styles": _parallel_styles, "policy_adapter": _policy_adapter}
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
