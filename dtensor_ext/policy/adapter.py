@@ -859,21 +859,26 @@ def parallelize(
     warn_unused: bool = False,
     plan: Plan | None = None,
     styles: bool = True,
+    program: bool = False,
 ) -> torch.nn.Module:
     """Build the plan (unless given) and apply it in place: parameters distributed as solved, every op run on
     DTensors moved to the solved placements, hooks, recompute. Where a torch ParallelStyle provably does what the
     plan says for a module, torch's ``parallelize_module`` applies it instead (``styles=False``: never). Returns
-    the module, whose outputs are full (replicated) tensors; the applied plan is ``model.policy_plan``."""
+    the module, whose outputs are full (replicated) tensors; the applied plan is ``model.policy_plan``.
+    ``program=True`` replaces the model's forward by the traced program, replayed op by op with the planned moves
+    (policy.program: what torch.compile traces into one graph; the inputs must have the traced shapes, and no
+    ParallelStyle is used)."""
     from dtensor_ext.policy.enforce import PlanExecutor
+    from dtensor_ext.policy.program import PlanProgram
     from dtensor_ext.policy.styles import apply_styles, proven_styles
 
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
                           cost_model=cost_model, memory_budget=memory_budget, share_layers=share_layers,
                           optimality_gap=optimality_gap, warn_unused=warn_unused)
-    plan.styles = proven_styles(plan) if styles else {}
+    plan.styles = proven_styles(plan) if styles and not program else {}
     apply_styles(model, plan, plan.styles)
-    PlanExecutor(plan).install(model)
+    (PlanProgram if program else PlanExecutor)(plan).install(model)
     for fqn, pre, post in plan.hooks:
         module = model.get_submodule(fqn)
         if pre is not None:

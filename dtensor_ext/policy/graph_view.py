@@ -22,8 +22,8 @@ from dtensor_ext._compat import (TorchDispatchMode, fake_tensor_mode, local_tens
                                 torch_op_names, value_dependent_errors)
 from dtensor_ext.policy.errors import PolicyError
 
-__all__ = ["HOST_READ_OPS", "ClassChain", "GraphView", "OpNode", "ModuleCall", "op_names", "op_outputs",
-           "replace_tensors", "tensors_in", "trace_graph", "unique_tensors"]
+__all__ = ["HOST_READ_OPS", "ClassChain", "GraphView", "OpNode", "ModuleCall", "OutputSlot", "op_names",
+           "op_outputs", "replace_tensors", "tensors_in", "trace_graph", "unique_tensors"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _POLICY_DIR = os.path.dirname(__file__)
@@ -147,6 +147,8 @@ class GraphView:
         self.params = params or {}  # trace id -> parameter fqn
         self.outputs = outputs  # trace ids of the tensors the model returned
         self.tensors = tensors or {}  # trace id -> the traced value (shape and dtype)
+        self.buffers: dict[int, str] = {}  # trace id -> buffer fqn
+        self.output_template: object = None  # the returned structure, OutputSlot where a traced tensor was
         self._consumers: dict[int, list[OpNode]] = {}
         self._producer: dict[int, OpNode] = {}
         for node in nodes:
@@ -360,12 +362,14 @@ def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object]) -> Gra
             state = {name: _fake_like(t, mode) for name, t in (*model.named_parameters(), *model.named_buffers())}
             example_inputs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, mode), example_inputs)
         params = {id(state[name]): name for name, _ in model.named_parameters()}
+        buffers = {id(state[name]): name for name, _ in model.named_buffers()}
 
         def forward():
             with mode:
                 return torch.func.functional_call(model, state, tuple(example_inputs))
     else:
         params = {id(p): name for name, p in model.named_parameters()}
+        buffers = {id(b): name for name, b in model.named_buffers()}
 
         def forward():
             return model(*example_inputs)
@@ -377,7 +381,27 @@ def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object]) -> Gra
     outputs = tuple(recorder._ids[id(t)] for t in tensors_in(_as_container(out)) if id(t) in recorder._ids)
     ids = {tid: t for tid, t in enumerate(recorder._alive)}
     param_ids = {tid: params[id(t)] for tid, t in ids.items() if id(t) in params}
-    return GraphView(model, recorder.nodes, recorder.calls, param_ids, outputs, ids)
+    graph = GraphView(model, recorder.nodes, recorder.calls, param_ids, outputs, ids)
+    graph.buffers = {tid: buffers[id(t)] for tid, t in ids.items() if id(t) in buffers}
+    graph.output_template = _template(out, recorder._ids)
+    return graph
+
+
+class OutputSlot(int):
+    """In a traced output's template: the trace id of the tensor returned there."""
+
+
+def _template(value, ids: dict[int, int]):
+    """The model's output with each traced tensor replaced by its OutputSlot: tuples, lists, dicts and Hugging
+    Face's ModelOutput (a dict rebuilt by its class) keep their structure, anything else is kept as it was."""
+    if isinstance(value, torch.Tensor):
+        return OutputSlot(ids[id(value)]) if id(value) in ids else value
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_template(v, ids) for v in value)
+    if isinstance(value, dict):
+        return type(value)(**{k: _template(v, ids) for k, v in value.items()}) if type(value) is not dict else {
+            k: _template(v, ids) for k, v in value.items()}
+    return value
 
 
 def on_meta(model: torch.nn.Module, example_inputs: Sequence[object]) -> bool:

@@ -58,13 +58,23 @@ def _local_numels(shape, spec: DTensorSpec) -> list[int]:
     return [math.prod(s) for s in _compat.local_shapes(shape, spec.mesh.shape, spec.placements)]
 
 
+def _viewed_shape(shape: tuple[int, ...], sizes) -> tuple[int, ...]:
+    """The shape `view(sizes)` gives a tensor of `shape` (one -1 inferred), worked out on ints: a strategy may run
+    while torch.compile traces, where running the view itself would break the graph."""
+    sizes = [int(s) for s in sizes]
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = math.prod(shape) // known if known else 0
+    return tuple(sizes)
+
+
 def unaliased_layout(op_schema: OpSchema, offered: OpStrategy) -> str | None:
     """Where a layout `offered` for the view would give some rank other element counts than the input shard it
     views: which input dim is split how (else None). Symbolic sizes are not checked."""
     shape = tuple(op_schema.args_schema[0].shape)
     if not all(isinstance(s, int) for s in shape):
         return None
-    target = tuple(op_schema.op(torch.empty(shape, device="meta"), *op_schema.args_schema[1:]).shape)
+    target = _viewed_shape(shape, op_schema.args_schema[1])
     for spec in offered.strategies:
         source = spec.input_specs[0] if spec.input_specs else op_schema.args_schema[0].strategies[0].output_spec
         before, after = _local_numels(shape, source), _local_numels(target, spec.output_spec)
