@@ -61,7 +61,8 @@ class HFPlan:
 def model_plans(model, *, ep: bool = False) -> HFPlan:
     """The plans a Hugging Face model applies with ``from_pretrained(tp_plan="auto")``: ``model.tp_plan`` (the
     class's ``_tp_plan``, ``config.base_model_tp_plan`` under the base model, the input embedding vocabulary-sharded);
-    with ``ep`` also ``model.ep_plan`` (``config.base_model_ep_plan``), whose modules then take no TP entry."""
+    with ``ep`` also ``model.ep_plan`` (``config.base_model_ep_plan``), whose modules then take no TP entry. Entries
+    that name nothing in the model are left out with a warning, as transformers leaves them out."""
     name = type(model).__name__
     tp = getattr(model, "tp_plan", None)
     if not isinstance(tp, dict) or not tp:
@@ -73,7 +74,12 @@ def model_plans(model, *, ep: bool = False) -> HFPlan:
                                                      f"no base_model_ep_plan)")
     tp = {key: style for key, style in tp.items()
           if not any(key == e or key.startswith(f"{e}.") for e in experts)}
-    return HFPlan(tp, experts, name)
+    # as transformers does, entries naming nothing in this model (a dense MLP's in an all-MoE Qwen3-MoE) are
+    # dropped with a warning
+    kept = {kind: {key: style for key, style in plan.items()
+                   if resolve_path(model, key, f"{name} {kind}[{key!r}] = {style!r}", warn_unused=True)}
+            for kind, plan in (("tp_plan", tp), ("ep_plan", experts))}
+    return HFPlan(kept["tp_plan"], kept["ep_plan"], name)
 
 
 def _dim(style: str, name: str, ndim: int, where: str) -> int | None:

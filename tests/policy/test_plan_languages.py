@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, PrepareModuleOutput
 
 from dtensor_ext.models.llama import LlamaConfig, TinyLlama, torchtitan_plan
 from dtensor_ext.models.policy_files import policy_text
@@ -16,6 +16,7 @@ from dtensor_ext.policy.constraints import parse_constraints
 from dtensor_ext.policy.graph_view import trace_graph
 from dtensor_ext.policy.hf_plans import STYLES, HFPlan, model_plans
 from dtensor_ext.policy.scopes import as_constraints
+from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_applied_plan_matches
 from tests.policy.test_hf_zoo import compare
 
@@ -50,7 +51,10 @@ def test_hf_base_model_tp_plan_as_constraints_equals_one_device():
 
 
 def test_hf_model_plans_on_2x2_shards_the_tp_dim_as_the_plan_says():
-    """model_plans(model): the class's lm_head entry and the embedding too; on (dp, tp) the plan's dim is tp."""
+    """model_plans(model): the class's lm_head entry and the embedding too; on (dp, tp) the plan's dim is tp. Entries
+    naming nothing in the model are dropped with a warning, as transformers drops them."""
+    with pytest.warns(UserWarning, match=r"unused plan entry Qwen3MoeForCausalLM tp_plan\['model.layers.\*.mlp.gate_"):
+        assert "model.layers.*.mlp.gate_proj" not in model_plans(hf_zoo.tiny_model("qwen3_moe")).tp
     plans = model_plans(hf_zoo.tiny_model("qwen2", use_cache=False))
     assert plans.tp["lm_head"] == "colwise_gather_output" and plans.tp["model.embed_tokens"] == "embedding_rowwise"
     model, _ = compare("qwen2", (2, 2), constraints=plans)
@@ -59,10 +63,18 @@ def test_hf_model_plans_on_2x2_shards_the_tp_dim_as_the_plan_says():
     assert plan.params["lm_head.weight"][1] == Shard(0) and plan.params["model.embed_tokens.weight"][1] == Shard(0)
 
 
-def test_shipped_fqn_yaml_tells_q_proj_from_o_proj():
-    """The shipped HF YAML scopes by module path: q/k/v/gate/up column-, o/down row-parallel, one device's values."""
-    model, _ = compare("mistral", (4,), constraints=policy_text("hf_llama_tp"))
-    _assert_column_row(model.policy_plan)
+def test_shipped_fqn_yamls_tell_q_proj_from_o_proj():
+    """The shipped HF YAMLs scope by module path: q/k/v/gate/up column-, o/down row-parallel on Mistral (its values
+    are the Llama test's plan's); Mixtral's attention alike, its experts left to the solver."""
+    ids = hf_zoo.sample_batch()[0]
+    mistral, mixtral = (hf_zoo.tiny_model(name, use_cache=False) for name in ("mistral", "mixtral"))
+    with simulated_mesh((4,)) as mesh:
+        _assert_column_row(build_plan(mistral, mesh, (ids, None, None, None, None, ids),
+                                      constraints=policy_text("hf_llama_tp")))
+        params = build_plan(mixtral, mesh, (ids, None, None, None, None, ids), constraints=policy_text("hf_moe_tp")
+                            ).params
+    assert [params[f"model.layers.1.self_attn.{name}.weight"] for name in ("q_proj", "v_proj", "o_proj")] == [
+        (Shard(0),), (Shard(0),), (Shard(1),)]
 
 
 def test_torchtitan_style_dict_as_constraints(mesh_1d2):
@@ -119,6 +131,13 @@ def test_hf_styles_cover_transformers_registry_and_refusals_name_the_entry(mesh_
         "MixtralForCausalLM tp_plan['model.layers.*.mlp.experts.gate_up_proj'] = 'packed_colwise': field '<style>' "
         "got 'packed_colwise'; expected a style whose partition is a Shard: packed_colwise splits the packed halves "
         "of gate_up_proj each (_StridedShard(dim=1, split_factor=2))")
+    ep = model_plans(model, ep=True)  # the EP plan: its modules take no TP entry; experts sharded by expert
+    assert not any(".experts" in key for key in ep.tp) and set(ep.ep.values()) == {"grouped_gemm",
+                                                                                    "ep_dispatch_experts"}
+    assert {(c.name, c.module, c.allowed_partition_dims, c.holds) for c in as_constraints(HFPlan({}, ep.ep), graph,
+                                                                                            mesh_1d4)} == {
+        ("torch.Tensor.transpose", f"model.layers.*.mlp.experts.{name}", ((0, 0),), True)
+        for name in ("gate_up_proj", "down_proj")}
     assert refusal({"layers.*.mlp.gate": "colwize"}).startswith(
         "tp_plan['layers.*.mlp.gate'] = 'colwize': field '<style>' got 'colwize'; expected a transformers 5.x style "
         "name: colwise, colwise_rep, ")
@@ -141,6 +160,16 @@ def test_style_dicts_refuse_what_torch_refuses(mesh_1d2):
         as_constraints({"norm": ColwiseParallel()}, graph, mesh_1d2)
     assert str(info.value) == ("style dict['norm'] = ColwiseParallel: field '<key>' got 'norm'; expected an "
                                "nn.Linear or nn.Embedding: torch's ColwiseParallel shards only those (got RMSNorm)")
+    with pytest.raises(PolicyError) as info:  # wo is a linear of the attention too, but reads its own input
+        as_constraints({"layers.0.attention": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                 desired_input_layouts=(Shard(1),))}, graph, mesh_1d2)
+    assert str(info.value).startswith(
+        "style dict['layers.0.attention'] = PrepareModuleInput: field '<input>' got 0; expected a module whose ops "
+        "reading its input share no name with its other ops: %2 torch.nn.functional.linear in layers.0.attention.wq")
+    with pytest.raises(PolicyError) as info:
+        as_constraints({"output.weight": ColwiseParallel()}, graph, mesh_1d2)
+    assert str(info.value) == ("style dict['output.weight'] = ColwiseParallel: field '<key>' got 'output.weight'; "
+                               "expected an fqn glob naming modules (it names parameters: output.weight)")
     assert as_constraints({"output": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())},
                           graph, mesh_1d2) == []
 
