@@ -1,4 +1,5 @@
-"""Policy adapter: nnScaler-style YAML constraints or OpPlan policies -> DTensor parallelization.
+"""Policy adapter: nnScaler-style YAML constraints (or Hugging Face / torchtitan plans) or OpPlan policies -> DTensor
+parallelization.
 
 ``build_plan`` traces the model once, takes each op's candidate placements from DTensor's own sharding propagation,
 filters them by the constraints and picks the cheapest plan exactly (HiGHS); it returns a printable Plan.
@@ -11,6 +12,7 @@ from dtensor_ext.policy.adapter import Plan, PolicyConfig, build_plan, paralleli
 from dtensor_ext.policy.constraints import Constraint, load_constraints
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode
+from dtensor_ext.policy.hf_plans import HFPlan, model_plans
 from dtensor_ext.policy.pinned import load_plan
 from dtensor_ext.policy.opplan import (
     OpPartition,
@@ -21,7 +23,7 @@ from dtensor_ext.policy.opplan import (
 )
 
 __all__ = [
-    "Constraint", "GraphView", "OpNode", "OpPartition", "OpPlan", "Plan", "PolicyConfig", "PolicyError",
+    "Constraint", "GraphView", "HFPlan", "OpNode", "OpPartition", "OpPlan", "Plan", "PolicyConfig", "PolicyError",
     "build_plan", "get_called_self_module_name", "get_layer_index", "get_pas_ops", "load_constraints", "load_plan",
-    "parallelize",
+    "model_plans", "parallelize",
 ]

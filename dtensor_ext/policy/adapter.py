@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
-from dtensor_ext.policy.constraints import Constraint, load_constraints
+from dtensor_ext.policy.constraints import Constraint
 from dtensor_ext.policy.derive import (Candidate, CandidateCache, NodeOptions, is_inplace, local_shape,
                                       operand_tensors, splits)
 from dtensor_ext.policy.errors import PolicyError
@@ -38,6 +38,7 @@ from dtensor_ext.policy.graph_view import GraphView, OpNode, tensors_in, trace_g
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
 from dtensor_ext.policy.repeats import repeated_rows, shared_layers
+from dtensor_ext.policy.scopes import as_constraints, in_scope, unmatched_scope
 from dtensor_ext.policy.solve import EXACT, Problem, solve
 from dtensor_ext.redistribute.cost import IdealCostModel
 
@@ -71,6 +72,7 @@ class Requirement:
     source: str  # the entry or OpPlan, and the op
     shown: tuple[str, ...]  # the "input,dim" texts as the user wrote them
     field: str = "allowed_partition_dims"
+    holds: bool = False  # a parameter at an allowed slot is also held there (Constraint.holds)
 
     def admits(self, c: Candidate) -> bool:
         """`c`: one mesh dim's candidate."""
@@ -341,7 +343,7 @@ def build_plan(
     mesh: DeviceMesh,
     example_inputs: Sequence[object],
     *,
-    constraints: str | os.PathLike | Iterable[Constraint] | None = None,
+    constraints: str | os.PathLike | Iterable[Constraint] | dict | None = None,
     policy: Callable | None = None,
     cfg: object = None,
     cost_model=None,
@@ -351,7 +353,9 @@ def build_plan(
     warn_unused: bool = False,
 ) -> Plan:
     """Trace ``model(*example_inputs)``, filter DTensor's candidates by YAML constraints (a path, YAML text or
-    Constraint objects) or by a ``policy(graph[, cfg])`` generator of OpPlans, and solve the rest exactly.
+    Constraint objects; or a plan users already write, read as constraints by ``policy.scopes.as_constraints``: a
+    Hugging Face plan dict ``{fqn glob: style name}``, ``policy.hf_plans.model_plans(model)``, or a torchtitan
+    ``{fqn: ParallelStyle}`` dict) or by a ``policy(graph[, cfg])`` generator of OpPlans, and solve the rest exactly.
     Neither constraints nor policy: the search alone plans on the whole mesh. Unused constraints are errors
     unless ``warn_unused``. ``cost_model``: the redistribution cost model (the package's IdealCostModel by
     default; a CalibratedCostModel from an autotune file). ``memory_budget``: bytes a rank may hold in parameters,
@@ -369,7 +373,7 @@ def build_plan(
     graph = _trace_outside_simulation(model, example_inputs)
     recompute_ids, stage_ids, hooks, requirements = {}, {}, [], {}
     if constraints is not None:
-        parsed = load_constraints(constraints) if isinstance(constraints, (str, os.PathLike)) else list(constraints)
+        parsed = as_constraints(constraints, graph, mesh, warn_unused)
         if not parsed:
             raise PolicyError("constraints", "<document>", constraints if isinstance(constraints, str) else parsed,
                               "at least one constraint entry (an empty policy plans nothing; pass no constraints "
@@ -450,6 +454,10 @@ def _requirements_from_constraints(graph: GraphView, mesh: DeviceMesh, constrain
             problem = ("name", c.name, f"an op the model runs: {', '.join(seen)}")
         elif c.parent_module is not None and not any(n.in_module_class(c.parent_module) for n in named):
             problem = ("parent_module", c.parent_module, f"a module class that runs {c.name}")
+        elif c.module is not None:
+            named = [n for n in named if in_scope(graph, n, c.module) and (
+                c.parent_module is None or n.in_module_class(c.parent_module))]
+            problem = None if named else unmatched_scope(graph, c)
         if problem is not None:
             if warn_unused:
                 warnings.warn(f"unused constraint {c.source}: {problem[0]} {problem[1]!r}; expected {problem[2]}",
@@ -465,7 +473,8 @@ def _requirements_from_constraints(graph: GraphView, mesh: DeviceMesh, constrain
             shown = tuple(f"{i},{d}" for i, d in c.allowed_partition_dims)
             allowed = tuple(_slot(node, i, d, c.source, "allowed_partition_dims", s)
                             for (i, d), s in zip(c.allowed_partition_dims, shown))
-            found[node.index] = Requirement(allowed, c.replica_allowed, dims, f"{c.source}: {node}", shown)
+            found[node.index] = Requirement(allowed, c.replica_allowed, dims, f"{c.source}: {node}", shown,
+                                            holds=c.holds)
             origin[node.index] = c.source
     return found
 
@@ -549,6 +558,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
             producers[tid] = (node.index, o)
     sources = sorted({tid for node in graph.nodes for tid in node.operand_ids if tid not in producers})
     differentiated = _differentiated(graph)
+    pins = _parameter_pins(graph, requirements)
     found = [_node_candidates(node, mesh, cache, requirements.get(node.index), graph, differentiated)
              for node in graph.nodes]
     candidates = [kept for kept, _, _ in found]
@@ -565,7 +575,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
     with outside_simulated_ranks(), quiet_redistribute_warnings():
         while True:
             problem, source_rows = _problem(graph, mesh, candidates, [w for _, w, _ in found], sources, producers,
-                                            model, moves, memory_budget, share_layers)
+                                            model, moves, memory_budget, share_layers, pins)
             picks, cost, gap = solve(problem, "build_plan", optimality_gap)
             pending = [node for node in graph.nodes if not candidates[node.index][picks[node.index]].proven]
             changed = False
@@ -610,7 +620,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
 
 def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate]], work: list[NodeOptions],
              sources: list[int], producers: dict, model, moves: dict, memory_budget: int | None,
-             share_layers: bool):
+             share_layers: bool, pins: dict[int, dict[int, Shard]]):
     """The HiGHS model: a row of options per op (its candidates), per source (a parameter's placements; inputs
     replicated) and for the outputs (replicated); the dataflow edges with their N-D move prices; a gradient
     reduction per value and mesh dim; the memory budget over what each choice holds; the middle repeated layers
@@ -627,7 +637,8 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
         source_rows[tid] = len(options)
         value = graph.tensors[tid]
         nbytes = value.numel() * value.element_size()
-        places = _source_placements(value, mesh, tid in graph.params)
+        places = [p for p in _source_placements(value, mesh, tid in graph.params)
+                  if all(p[m] == q for m, q in pins.get(tid, {}).items())]
         options.append([((), (p,), (), TIE_S_PER_BYTE * nbytes / _pieces(mesh, p)) for p in places])
         if tid in graph.params:  # the parameter, its gradient and Adam's two moments, as shards
             held[source_rows[tid]] = [STATE_COPIES * nbytes / _pieces(mesh, p) for p in places]
@@ -684,6 +695,23 @@ def _no_combination(node: OpNode, requirement: Requirement | None, mesh: DeviceM
                                                f"on the whole mesh {tuple(mesh.shape)}: each mesh dim has some, but "
                                                f"DTensor refuses every combination of them (the last, inputs "
                                                f"{', '.join(map(_fmt, refused.inputs))}: {why.rstrip('.')})")
+
+
+def _parameter_pins(graph: GraphView, requirements: dict[int, Requirement]) -> dict[int, dict[int, Shard]]:
+    """Parameter trace id -> {mesh dim: the Shard it is held at}, from the requirements that hold what they read."""
+    pins: dict[int, dict[int, Shard]] = {}
+    by: dict[tuple[int, int], str] = {}
+    for index, r in requirements.items():
+        for slot, dim in r.allowed if r.holds else ():
+            tid = graph.nodes[index].operand_ids[slot]
+            for m in r.mesh_dims if tid in graph.params else ():
+                held = pins.setdefault(tid, {}).setdefault(m, Shard(dim))
+                if held != Shard(dim):
+                    raise PolicyError(r.source, r.field, list(r.shown),
+                                      f"one placement for {graph.params[tid]} on mesh dim {m}; {by[tid, m]} holds "
+                                      f"it at {held}")
+                by.setdefault((tid, m), r.source)
+    return pins
 
 
 def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requirement: Requirement | None,

@@ -14,16 +14,17 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 
 import yaml
 
 from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["Constraint", "load_constraints", "parse_partition_dim", "check_input_index", "check_mesh_dim",
-           "MAX_DEPTH", "MAX_NODES"]
+           "check_module_glob", "fqn_matches", "MAX_DEPTH", "MAX_NODES"]
 
 REQUIRED_KEYS = ("name", "allowed_partition_dims")
-OPTIONAL_KEYS = ("parent_module", "replica_allowed", "mesh_dim")
+OPTIONAL_KEYS = ("parent_module", "module", "replica_allowed", "mesh_dim")
 MAX_DEPTH = 64  # nested lists/mappings; constraint files need 4
 MAX_NODES = 100_000  # YAML nodes after alias expansion; a constraint entry takes about 10
 
@@ -60,6 +61,20 @@ def _check_parent_module(parent: object, where: str) -> str | None:
     return parent
 
 
+def check_module_glob(pattern: object, where: str, field_name: str = "module") -> str | None:
+    """An fqn glob (fnmatch: ``*`` also crosses dots) over module and parameter paths from the root model, as
+    Hugging Face and torchtitan write them: ``model.layers.*.self_attn.q_proj``."""
+    if pattern is not None and (not isinstance(pattern, str) or not pattern.strip() or pattern != pattern.strip()):
+        raise PolicyError(where, field_name, pattern, "a module path glob from the root model such as "
+                                                      "model.layers.*.self_attn.q_proj")
+    return pattern
+
+
+def fqn_matches(pattern: str, fqns) -> bool:
+    """Whether the glob matches one of the paths (case-sensitive fnmatch, so ``*`` matches across dots)."""
+    return any(fnmatchcase(f, pattern) for f in fqns)
+
+
 def _check_replica_allowed(replica: object, where: str) -> bool:
     if not isinstance(replica, bool):
         raise PolicyError(where, "replica_allowed", replica, "true or false")
@@ -68,7 +83,8 @@ def _check_replica_allowed(replica: object, where: str) -> bool:
 
 @dataclass(frozen=True)
 class Constraint:
-    """Ops named `name` (inside a `parent_module` instance, if given) may only be partitioned as listed.
+    """Ops named `name` (inside a `parent_module` instance, and inside a module or reading a parameter whose path
+    matches the `module` glob, where given) may only be partitioned as listed.
 
     Checked at construction, whether built by the YAML loader or by hand: a bad field is a PolicyError."""
 
@@ -78,6 +94,10 @@ class Constraint:
     replica_allowed: bool = True
     source: str = field(default="<constraint>", compare=False)
     mesh_dim: str | None = None  # the mesh dim it shards; None: 'tp' for ParallelStyles, every dim for op constraints
+    module: str | None = None  # fqn glob over the enclosing modules' and the read parameters' paths from the root
+    # a parameter the op reads at an allowed input is also held at that placement (the plan dicts of policy.scopes,
+    # which fix where parameters live); False: the solve places it, moving it where the op reads it
+    holds: bool = False
 
     def __post_init__(self):
         where = self.source if isinstance(self.source, str) else "<constraint>"
@@ -97,12 +117,16 @@ class Constraint:
             pairs.append((index, dim))
         object.__setattr__(self, "allowed_partition_dims", tuple(pairs))
         _check_parent_module(self.parent_module, where)
+        check_module_glob(self.module, where)
         _check_replica_allowed(self.replica_allowed, where)
         check_mesh_dim(self.mesh_dim, where)
+        if not isinstance(self.holds, bool):
+            raise PolicyError(where, "holds", self.holds, "True or False")
 
     def describe(self) -> str:
         dims = ", ".join(f"{i},{d}" for i, d in self.allowed_partition_dims)
         where = f" in {self.parent_module}" if self.parent_module else ""
+        where += f" at {self.module}" if self.module else ""
         return f"{self.name}{where}: allowed [{dims}], replica_allowed={self.replica_allowed}"
 
 
@@ -282,4 +306,6 @@ def _parse_entry(node: yaml.Node, entry: str) -> Constraint:
     _check_replica_allowed(replica, at)
     mesh_dim, at = values.get("mesh_dim", (None, where))
     check_mesh_dim(mesh_dim, at)
-    return Constraint(name, parsed, parent, replica, where, mesh_dim)
+    module, at = values.get("module", (None, where))
+    check_module_glob(module, at)
+    return Constraint(name, parsed, parent, replica, where, mesh_dim, module)

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Union
 
-from dtensor_ext.policy.constraints import check_input_index, check_mesh_dim
+from dtensor_ext.policy.constraints import check_input_index, check_mesh_dim, check_module_glob
 from dtensor_ext.policy.errors import PolicyError, short_repr
 from dtensor_ext.policy.graph_view import GraphView, OpNode
+from dtensor_ext.policy.scopes import in_scope
 
 __all__ = ["OpPartition", "OpPlan", "get_pas_ops", "get_layer_index", "get_called_self_module_name"]
 
@@ -66,9 +67,13 @@ class OpPlan:
 
 
 
-def get_pas_ops(graph: GraphView) -> list[OpNode]:
-    """The ops a policy may plan: every traced torch-level op, in execution order."""
-    return list(graph.nodes)
+def get_pas_ops(graph: GraphView, module: str | None = None) -> list[OpNode]:
+    """The ops a policy may plan: every traced torch-level op, in execution order; with ``module`` (an fqn glob
+    from the root, as a YAML entry's ``module``), those inside a module or reading a parameter whose path matches."""
+    if module is None:
+        return list(graph.nodes)
+    check_module_glob(module, f"get_pas_ops(module={short_repr(module, 80)})")
+    return [op for op in graph.nodes if in_scope(graph, op, module)]
 
 
 

@@ -64,15 +64,22 @@ def output_file(text: str) -> Path:
 
 def check_opinfo_globs(parser: argparse.ArgumentParser | None, option: str, patterns: list[str] | None) -> None:
     """A usage error (through `parser`, else ValueError) for the first glob no OpInfo name of torch's database
-    matches."""
+    matches, or, where the database cannot load (it imports expecttest, a test dependency), one naming the extra
+    to install."""
     import fnmatch
 
     from dtensor_ext import _compat
 
+    def fail(message: str):
+        if parser is None:
+            raise ValueError(message)
+        parser.error(message)
+
+    try:
+        import expecttest  # noqa: F401  (torch's testing package imports it)
+    except ImportError:
+        fail("torch's OpInfo database needs expecttest, a test dependency: pip install 'dtensor_ext[test]'")
     names = [info.name for info in _compat.opinfo_db()]
     for pattern in patterns or ():
         if not fnmatch.filter(names, pattern):
-            message = f"argument {option}: {pattern!r} matches no OpInfo name (e.g. {names[0]!r}, 'nn.functional.*')"
-            if parser is None:
-                raise ValueError(message)
-            parser.error(message)
+            fail(f"argument {option}: {pattern!r} matches no OpInfo name (e.g. {names[0]!r}, 'nn.functional.*')")

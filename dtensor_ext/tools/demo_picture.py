@@ -1,5 +1,6 @@
 """The demo's picture, as hand-written SVG (no plotting dependency): loss per step (sharded, one device, torch alone)
-and the bytes the busiest rank receives per step (with the package, torch alone). Legends sit above each panel and
+and the bytes the busiest rank receives per step (with the package, torch alone; with ``--no-package`` the torch-alone
+job alone, labelled so). Legends sit above each panel and
 the footer is wrapped to the canvas, so no label covers the data or runs off the picture."""
 
 from __future__ import annotations
@@ -66,17 +67,24 @@ def _wrapped(text: str, width: float) -> list[str]:
 
 
 def write_svg(report, path: Path) -> Path:
-    pkg, alone = report.package, report.torch_alone
-    losses = {"dtensor_ext": [s.loss for s in pkg.steps], "one device": [s.reference_loss for s in pkg.steps]}
-    bytes_ = {"dtensor_ext": [sum(s.received_bytes.values()) / 1024 for s in pkg.steps]}
-    if alone is not None and alone.steps:
-        losses["torch alone"] = [s.loss for s in alone.steps]
-        bytes_["torch alone"] = [sum(s.received_bytes.values()) / 1024 for s in alone.steps]
+    """The picture of ``report``'s jobs, each labelled by what ran: "dtensor_ext", or "torch alone" for the torch-alone
+    job (the only one with ``--no-package``); a job that failed is named in the footer with its failure."""
+    jobs = {"dtensor_ext" if report.with_package else "torch alone": report.package}
+    if report.torch_alone is not None:
+        jobs["torch alone"] = report.torch_alone
+    losses, bytes_ = {}, {}
+    for k, (name, job) in enumerate(jobs.items()):
+        if job.steps:
+            losses[name] = [s.loss for s in job.steps]
+            if k == 0:  # the reference the first job trained against, step by step
+                losses["one device"] = [s.reference_loss for s in job.steps]
+            bytes_[name] = [sum(s.received_bytes.values()) / 1024 for s in job.steps]
     body = _panel(0, "training loss", losses, "loss", bars=False)
     body += _panel(W, "collective bytes received by the busiest rank", bytes_, "KiB per step", bars=True)
-    footer = _wrapped(f"torch alone fails at {alone.failure}", 2 * W - 2 * PAD) if alone and alone.failure else []
-    body += [f'<text x="{PAD}" y="{H + 14 * i}" fill="{COLORS["torch alone"]}">{escape(line)}</text>'
-             for i, line in enumerate(footer)]
+    footer = [(name, line) for name, job in jobs.items() if job.failure
+              for line in _wrapped(f"{name} fails at {job.failure}", 2 * W - 2 * PAD)]
+    body += [f'<text x="{PAD}" y="{H + 14 * i}" fill="{COLORS[name]}">{escape(line)}</text>'
+             for i, (name, line) in enumerate(footer)]
     path = Path(path)
     path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" height="{H + 14 * len(footer) + 6}" '
                     f'font-family="sans-serif" font-size="11">\n<rect width="100%" height="100%" fill="white"/>\n'

@@ -79,7 +79,7 @@ def test_entry_not_a_mapping():
 def test_unknown_key():
     assert _error('- name: torch.sum\n  allowed_partition_dims: ["0,0"]\n  replica: false\n') == (
         "<yaml> entry 0 (line 3): field 'replica' got False; expected one of the keys name, "
-        "allowed_partition_dims, parent_module, replica_allowed, mesh_dim")
+        "allowed_partition_dims, parent_module, module, replica_allowed, mesh_dim")
 
 
 def test_repeated_key():

@@ -107,7 +107,7 @@ def test_merge_of_a_non_mapping_is_refused():
 def test_merged_unknown_key_names_its_own_line():
     assert _error('- &b {name: torch.sum, bogus: 1}\n- <<: *b\n  allowed_partition_dims: ["0,0"]\n') == (
         "<yaml> entry 0 (line 1): field 'bogus' got 1; expected one of the keys name, allowed_partition_dims, "
-        "parent_module, replica_allowed, mesh_dim")
+        "parent_module, module, replica_allowed, mesh_dim")
 
 
 @pytest.mark.parametrize("dim", ["\u0661,0", "0,\u0663", "\uff10,1", "\u00b2,0", "1_0,0", "0x1,0", "1.0,0"])

@@ -66,3 +66,14 @@ def test_a_usage_error_in_a_process_is_the_whole_stderr():
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == "python -m dtensor_ext autotune: error: argument --runs: '-1': expected a positive integer\n"
+
+
+@pytest.mark.parametrize("argv", [["validate"], ["coverage", "--opdb"]])
+def test_commands_needing_the_test_extra_say_which_to_install(argv, capsys, monkeypatch):
+    """Without expecttest (the test extra), torch's OpInfo database cannot load: one line naming the extra."""
+    monkeypatch.setitem(sys.modules, "expecttest", None)  # what `import expecttest` meets where it is not installed
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"python -m dtensor_ext {argv[0]}: error: torch's OpInfo database needs "
+                                       "expecttest, a test dependency: pip install 'dtensor_ext[test]'\n")

@@ -128,3 +128,17 @@ def test_torchrun_runs_the_demo_on_four_gloo_ranks(tmp_path):
     assert "2x2 (dp, tp) mesh of real gloo ranks" in out.stdout and "OK: matches one device" in out.stdout
     assert out.stdout.count("AdamW steps on") == 1  # only rank 0 reports
     ET.parse(tmp_path / "demo.svg")
+
+
+def test_no_package_picture_says_it_shows_torch_alone(tmp_path):
+    """With --no-package the one job is torch alone: labelled so, and where it failed before any step, the footer
+    says so instead of an empty picture under the package's name."""
+    steps = [StepStats(4.0 - i, 4.0 - i, 0.0, {"all_reduce": 3}, {"all_reduce": 70_000}, 3) for i in range(3)]
+    for job, legends, footer in [(JobResult(steps), ["torch alone", "one device", "torch alone"], []),
+                                 (JobResult(failure="step 1: RuntimeError: no kernel"), [],
+                                  ["torch alone fails at step 1: RuntimeError: no kernel"])]:
+        r = DemoReport((2, 2), demo_config(), False, job, None, {}, 1.0, with_package=False)
+        texts = [t for t in ET.parse(write_svg(r, tmp_path / "d.svg")).getroot().iter(f"{SVG}text")
+                 if t.get("fill") == "#d62728" or t.text in ("dtensor_ext", "one device")]
+        assert [t.text for t in texts if float(t.get("y")) < TOP] == legends
+        assert [t.text for t in texts if float(t.get("y")) > TOP] == footer
