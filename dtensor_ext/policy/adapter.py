@@ -351,6 +351,7 @@ def build_plan(
     share_layers: bool = True,
     optimality_gap: float = EXACT,
     warn_unused: bool = False,
+    fake_trace: bool | None = None,
 ) -> Plan:
     """Trace ``model(*example_inputs)``, filter DTensor's candidates by YAML constraints (a path, YAML text or
     Constraint objects; or a plan users already write, read as constraints by ``policy.scopes.as_constraints``: a
@@ -365,12 +366,15 @@ def build_plan(
     layer is solved on its own).
     ``optimality_gap``: the solve stops once HiGHS proves that no plan is cheaper than its plan's modelled cost by
     more than this fraction of it (0.01% by default; e.g. 0.02 where closing the last percent takes minutes); the
-    plan reports the gap it reached."""
+    plan reports the gap it reached.
+    ``fake_trace``: trace on fake tensors (no flop computed, and the program ``torch.compile`` runs: a model that
+    asks whether it is traced, as Hugging Face's do, takes its traced path) rather than one eager forward; None
+    (the default): on fake tensors exactly where a parameter, buffer or input is on the meta device."""
     if constraints is not None and policy is not None:
         raise PolicyError("build_plan", "constraints/policy", "both",
                           "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
     start = time.perf_counter()
-    graph = _trace_outside_simulation(model, example_inputs)
+    graph = _trace_outside_simulation(model, example_inputs, fake_trace)
     recompute_ids, stage_ids, hooks, requirements = {}, {}, [], {}
     if constraints is not None:
         parsed = as_constraints(constraints, graph, mesh, warn_unused)
@@ -404,13 +408,13 @@ def build_plan(
                 shared_layers=shared, gap=gap)
 
 
-def _trace_outside_simulation(model, example_inputs) -> GraphView:
+def _trace_outside_simulation(model, example_inputs, fake: bool | None) -> GraphView:
     """Trace with plain tensors even inside a simulated mesh, whose mode would turn results into per-rank ones."""
     mode = current_local_tensor_mode()
     if mode is not None:
         with mode.disable():
-            return trace_graph(model, example_inputs)
-    return trace_graph(model, example_inputs)
+            return trace_graph(model, example_inputs, fake=fake)
+    return trace_graph(model, example_inputs, fake=fake)
 
 
 def _mesh_dims(mesh: DeviceMesh, name: str | None, where: str, field_name: str = "mesh_dim") -> tuple[int, ...]:
@@ -894,8 +898,8 @@ def parallelize(
     plan says for a module, torch's ``parallelize_module`` applies it instead (``styles=False``: never). Returns
     the module, whose outputs are full (replicated) tensors; the applied plan is ``model.policy_plan``.
     ``program=True`` replaces the model's forward by the traced program, replayed op by op with the planned moves
-    (policy.program: what torch.compile traces into one graph; the inputs must have the traced shapes, and no
-    ParallelStyle is used)."""
+    (policy.program: what torch.compile traces into one graph; the plan is traced on fake tensors, the inputs
+    must have the traced shapes, and no ParallelStyle is used)."""
     from dtensor_ext.policy.enforce import PlanExecutor
     from dtensor_ext.policy.program import PlanProgram
     from dtensor_ext.policy.styles import apply_styles, proven_styles
@@ -903,7 +907,7 @@ def parallelize(
     if plan is None:
         plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
                           cost_model=cost_model, memory_budget=memory_budget, share_layers=share_layers,
-                          optimality_gap=optimality_gap, warn_unused=warn_unused)
+                          optimality_gap=optimality_gap, warn_unused=warn_unused, fake_trace=True if program else None)
     plan.styles = proven_styles(plan) if styles and not program else {}
     apply_styles(model, plan, plan.styles)
     (PlanProgram if program else PlanExecutor)(plan).install(model)

@@ -350,14 +350,14 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
-def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object]) -> GraphView:
+def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object], *, fake: bool | None = None) -> GraphView:
     """Run `model(*example_inputs)` once without gradients and record every torch-level op it makes, and every
-    call that reads a tensor's values into Python. A model or inputs on the meta device are traced on fake
-    tensors instead (`on_meta`): no weight is materialized and no flop is computed."""
+    call that reads a tensor's values into Python. With `fake` (None: where a parameter, buffer or input is on
+    the meta device, `on_meta`) the run is on fake tensors: no weight is materialized and no flop is computed."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     recorder = _Recorder(model)
-    if on_meta(model, example_inputs):
+    if fake or (fake is None and on_meta(model, example_inputs)):
         with fake_tensor_mode() as mode:
             state = {name: _fake_like(t, mode) for name, t in (*model.named_parameters(), *model.named_buffers())}
             example_inputs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, mode), example_inputs)

@@ -15,35 +15,48 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from dtensor_ext._compat import pytree
+from dtensor_ext.policy.adapter import _last_writes
 from dtensor_ext.policy.derive import operand_tensors
-from dtensor_ext.policy.enforce import PlanExecutor, _full
+from dtensor_ext.policy.enforce import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.graph_view import OutputSlot, op_outputs, replace_tensors
+from dtensor_ext.policy.gradients import move_for_reading, read_in_group
+from dtensor_ext.policy.graph_view import OutputSlot, op_outputs
 
 __all__ = ["PlanProgram"]
 
 
 class PlanProgram(PlanExecutor):
     """Installs the plan as the model's forward: a replay of the trace (no TorchFunctionMode, no hooks on the
-    model's modules), which torch.compile traces like any straight-line code."""
+    model's modules), which torch.compile traces like any straight-line code. Everything the replay decides per
+    op (which values it reads, where their tensors sit in its arguments, the planned placements, which reads are
+    grouped) is worked out once at install; a call only looks values up by trace id."""
 
     def install(self, model: torch.nn.Module) -> None:
-        graph = self.plan.graph
+        plan, graph = self.plan, self.plan.graph
         if graph.output_template is None:
             raise PolicyError("parallelize", "program", True, "a plan traced by this version of build_plan")
+        if plan.hooks or plan.recompute_groups:
+            raise PolicyError("parallelize", "program", True, "a plan without module hooks or recompute groups "
+                              "(the replay calls no module: run such a plan with program=False)")
+        read = next((node for node in graph.nodes if node.reads_values), None)
+        if read is not None:
+            raise PolicyError(str(read), "program", "a call that reads a tensor's values into Python",
+                              "a trace without such reads: the replay would keep what the trace read for every "
+                              "later input; plan on fake tensors (build_plan(fake_trace=True), which names such a "
+                              "read) or run the plan with program=False")
         self._distribute_parameters(model)
-        root = graph.module_calls[""]
         signature = inspect.signature(model.forward)
         self.model = model
-        self.inputs = _input_slots(signature, root)
+        self.inputs = _input_slots(signature, graph.module_calls[""])
         self.shapes = {tid: tuple(graph.tensors[tid].shape) for tid in self.inputs.values()}
-        # per op: its traced operand objects (by id) and their trace ids, in operand order
-        self.operands = [[(id(t), tid) for t, tid in zip(operand_tensors(node), node.operand_ids)]
-                         for node in graph.nodes]
+        written = {storage for storage in _last_writes(graph)}
+        self.steps = [self._step_of(op, written) for op in plan.ops]
         known = set(graph.params) | set(graph.buffers) | set(self.inputs.values())
         produced = {tid for node in graph.nodes for tid in node.output_ids}
         for node in graph.nodes:
@@ -53,18 +66,26 @@ class PlanProgram(PlanExecutor):
                                       "operands that are inputs, parameters, buffers or op outputs: a tensor the "
                                       "forward reads from elsewhere (a plain attribute) has no place in the replay; "
                                       "register it as a buffer")
-        forward = model.forward
-        bind = signature.bind
+        forward, bind = model.forward, signature.bind
 
         @functools.wraps(forward)
         def replayed_forward(*args, **kwargs):
-            bound = bind(*args, **kwargs).arguments
-            try:
-                return self._replay(bound)
-            finally:
-                self.reduced, self.aliases, self.grouped, self.same_values = {}, {}, {}, {}
+            return self._replay(bind(*args, **kwargs).arguments)
 
         model.forward = replayed_forward
+
+    def _step_of(self, op, written: set) -> _Step:
+        node, graph = op.node, self.plan.graph
+        flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+        where = {id(t): tid for t, tid in zip(operand_tensors(node), node.operand_ids)}
+        slots = tuple((k, where[id(leaf)]) for k, leaf in enumerate(flat)
+                      if isinstance(leaf, torch.Tensor) and id(leaf) in where)
+        replicate = (Replicate(),) * self.mesh.ndim
+        reads = tuple((tid, replicate if op.local else tuple(target), self.groups.get((node.index, slot)))
+                      for slot, (tid, target) in enumerate(zip(node.operand_ids, op.inputs)))
+        # an output written in place later gets its gradient hook (a custom Function's view cannot be written)
+        hooked = tuple(graph.storage(tid) in written for tid in node.output_ids)
+        return _Step(node, tuple(flat), spec, slots, reads, hooked)
 
     def _replay(self, bound: dict):
         graph, mesh = self.plan.graph, self.mesh
@@ -86,18 +107,78 @@ class PlanProgram(PlanExecutor):
                                   f"a tensor of shape {list(self.shapes[tid])}, as traced (the replayed program "
                                   "is the traced one: plan again for other shapes)")
             env[tid] = _replicated(value, mesh, replicate)
-        self.position, self.running = 0, True
-        try:
-            for k, node in enumerate(graph.nodes):
-                table = {key: env[tid] for key, tid in self.operands[k]}
-                args, kwargs = replace_tensors(node.args, table), replace_tensors(node.kwargs, table)
-                out = self.run(k, node.fn, args, kwargs)
-                outs = op_outputs(node.fn, args, out)
-                for tid, o in zip(node.output_ids, outs):
-                    env[tid] = o
-        finally:
-            self.running = False
-        return _filled(graph.output_template, env, self.aliases)
+        moved: dict = {}  # (trace id, placements or group) -> the value moved there in this call
+        for k, step in enumerate(self.steps):
+            self._run_step(k, step, env, moved, replicate)
+        return _filled(graph.output_template, env)
+
+    def _run_step(self, k: int, step: _Step, env: dict, moved: dict, replicate: list) -> None:
+        op = self.plan.ops[k]
+        values = {}
+        for tid, target, group in step.reads:
+            value = env[tid]
+            if group is not None:
+                if (tid, group) not in moved:
+                    moved[tid, group] = read_in_group(value, group[1])
+                value = moved[tid, group]
+            values[tid] = self._moved(tid if group is None else (tid, group), value, target, moved)
+        flat = list(step.flat)
+        for position, tid in step.slots:
+            flat[position] = values[tid].to_local() if op.local else values[tid]
+        args, kwargs = pytree.tree_unflatten(flat, step.spec)
+        out = step.node.fn(*args, **kwargs)
+        outs = op_outputs(step.node.fn, args, out)
+        for tid, o, hooked, planned in zip(step.node.output_ids, outs, step.hooked, op.outputs):
+            if op.local:
+                o = _replicated(o, self.mesh, replicate)
+            elif tuple(map(_kind, o.placements)) != tuple(map(_kind, planned)):
+                self.plan.deviations.append(f"{op.node}: output {tuple(o.placements)}, planned {planned}")
+            if o.requires_grad:
+                gradient_at = tuple(Replicate() if p.is_partial() else p for p in o.placements)
+                if hooked:
+                    o.register_hook(functools.partial(_planned_gradient, list(gradient_at)))
+                else:
+                    o = _GradientAt.apply(o, gradient_at)
+            env[tid] = o
+
+    def _moved(self, key, value: DTensor, target: tuple, moved: dict) -> DTensor:
+        """`value` at `target`; a Partial value is reduced once for all its readers (as PlanExecutor._move)."""
+        if tuple(value.placements) == target:
+            return value
+        if not any(p.is_partial() for p in value.placements):
+            return move_for_reading(value, target)
+        if ("reduced", key) in moved:
+            return self._moved(("reduced", key), moved["reduced", key], target, moved)
+        moved["reduced", key] = move_for_reading(value, target)
+        return moved["reduced", key]
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One traced op as the replay runs it: its arguments flattened (traced tensors at `slots`: position, trace
+    id), what it reads (trace id, planned placements, its read group or None) and which outputs get a hook."""
+
+    node: object
+    flat: tuple
+    spec: object
+    slots: tuple
+    reads: tuple
+    hooked: tuple
+
+
+class _GradientAt(torch.autograd.Function):
+    """The value itself; its gradient, summed over its readers, is brought to `placements` (enforce's
+    `_planned_gradient`, as a function torch.compile traces where a tensor hook would break the graph)."""
+
+    @staticmethod
+    def forward(ctx, value: DTensor, placements: tuple):
+        ctx.placements = placements
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        brought = _planned_gradient(list(ctx.placements), grad)
+        return (grad if brought is None else brought), None
 
 
 def _input_slots(signature: inspect.Signature, root) -> dict[str, int]:
@@ -118,13 +199,15 @@ def _described(value) -> str:
     return f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:80]
 
 
-def _filled(template, env: dict, aliases: dict):
+def _filled(template, env: dict):
     """The traced output structure with each slot's value, full (as the interpreter returns it)."""
     if isinstance(template, OutputSlot):
-        return _full(env[int(template)], aliases)
+        return _full(env[int(template)], {})
     if isinstance(template, (tuple, list)) and not hasattr(template, "_fields"):
-        return type(template)(_filled(v, env, aliases) for v in template)
+        return type(template)([_filled(v, env) for v in template])
     if isinstance(template, dict):
-        filled = {k: _filled(v, env, aliases) for k, v in template.items()}
+        filled = {}
+        for key in list(template.keys()):
+            filled[key] = _filled(template[key], env)
         return filled if type(template) is dict else type(template)(**filled)
     return template
