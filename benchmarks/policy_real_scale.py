@@ -10,7 +10,8 @@ HiGHS itself, and the process's peak RSS.
 
 A case is MODEL:MESH (MESH as 8 or 2x4); --layers overrides the model's depth (e.g. to see how time grows with
 it). The memory budget is the bytes per rank that fully sharded bf16 training state (parameters, gradients and
-two Adam moments) would hold times 1.5, so that the plan must shard.
+two Adam moments) would hold, times --budget (1.5), so that the plan must shard; --gap is build_plan's
+optimality_gap.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def _timed(module, name: str, spent: dict):
     setattr(module, name, wrapper)
 
 
-def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, seq: int) -> dict:
+def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, seq: int, budget: float,
+             gap: float) -> dict:
     import torch
     import transformers
 
@@ -76,7 +78,7 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
     names = ("dp", "tp") if len(shape) == 2 else None
     with simulated_mesh(shape, mesh_dim_names=names) as mesh:
         start = time.perf_counter()
-        plan = build_plan(model, mesh, (ids,), memory_budget=int(state / world * 1.5))
+        plan = build_plan(model, mesh, (ids,), memory_budget=int(state / world * budget), optimality_gap=gap)
         total = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return dict(model=model_name, mesh=mesh_text, layers=config.num_hidden_layers, ops=len(plan.graph.nodes),
@@ -84,7 +86,7 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
                 candidates_s=round(spent.get("_derive", 0) - spent.get("solve", 0), 1),
                 highs_model_s=round(spent.get("_model", 0), 1),
                 highs_s=round(spent.get("solve", 0) - spent.get("_model", 0), 1),
-                peak_rss_gb=round(rss / 2**30, 2), cost_us=round(plan.cost_s * 1e6, 1))
+                peak_rss_gb=round(rss / 2**30, 2), cost_us=round(plan.cost_s * 1e6, 1), gap=round(plan.gap, 4))
 
 
 def main() -> None:
@@ -93,14 +95,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--budget", type=float, default=1.5,
+                        help="memory budget per rank, in units of the fully sharded training state")
+    parser.add_argument("--gap", type=float, default=0.0001, help="build_plan's optimality_gap")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one case in this process (the child)
     args = parser.parse_args()
     if args.one:
         model_name, mesh_text = args.one.split(":")
-        print(json.dumps(run_case(model_name, mesh_text, args.layers, args.batch, args.seq)))
+        print(json.dumps(run_case(model_name, mesh_text, args.layers, args.batch, args.seq, args.budget, args.gap)))
         return
     for case in args.cases:
-        command = [sys.executable, __file__, "--one", case, "--batch", str(args.batch), "--seq", str(args.seq)]
+        command = [sys.executable, __file__, "--one", case, "--batch", str(args.batch), "--seq", str(args.seq),
+                   "--budget", str(args.budget), "--gap", str(args.gap)]
         if args.layers is not None:
             command += ["--layers", str(args.layers)]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})

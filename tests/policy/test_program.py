@@ -1,0 +1,133 @@
+"""parallelize(program=True): the plan replayed as straight-line code. It equals one device, runs the collectives the
+plan lists whatever other tools hook onto the modules, refuses what it cannot replay by name, and compiles into one
+graph on real gloo ranks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from dtensor_ext.models import TinyLlama, policy_text
+from dtensor_ext.policy import PolicyError, build_plan, parallelize
+from dtensor_ext.testing import simulated_mesh
+from dtensor_ext.tools.comm_stats import CommStatsMode
+from tests.autotune.ranks import run_ranks
+from tests.policy.checks import assert_every_rank_matches
+from tests.policy.test_guarantee import check_matches_one_device
+
+hf_zoo = pytest.importorskip("dtensor_ext.testing.hf_zoo")
+
+LLAMA_TP_YAML = policy_text("llama_tp_sp")
+HF_LINEARS = '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0", "1,1"]\n  replica_allowed: false\n'
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_the_replayed_plan_equals_one_device(mesh_shape):
+    names = ("dp", "tp") if len(mesh_shape) == 2 else None
+    plan = check_matches_one_device(TinyLlama, (torch.randint(0, 32, (2, 8)),), mesh_shape=mesh_shape,
+                                    mesh_dim_names=names, constraints=LLAMA_TP_YAML, program=True)
+    assert not plan.deviations and not plan.styles
+    assert plan.params["layers.0.attention.wq.weight"][-1].is_shard(0)
+
+
+class _ReadsAValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h * 2 if h.sum() > 0 else h
+
+
+def test_a_trace_that_read_values_is_not_replayed():
+    torch.manual_seed(0)
+    model = _ReadsAValue()
+    with simulated_mesh((2,)) as mesh:
+        plan = build_plan(model, mesh, (torch.randn(4, 8),), constraints=(
+            '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0"]\n  replica_allowed: false\n'))
+        with pytest.raises(PolicyError) as info:
+            parallelize(model, mesh, (torch.randn(4, 8),), plan=plan, program=True)
+    assert str(info.value).startswith("%3 torch.Tensor.__bool__ in <root> [h.sum() > 0]: field 'program' got "
+                                      "\"a call that reads a tensor's values into Python\""), info.value
+
+
+@pytest.fixture(scope="module")
+def hf_llama_program():
+    """HF Llama planned on fake tensors (its traced path: explicit masks) and replayed, on 4 simulated ranks (the
+    mesh stays open for the module's later tests: the simulated-mesh tests come before it)."""
+    reference, model = hf_zoo.tiny_model("llama"), hf_zoo.tiny_model("llama")
+    ids, labels = hf_zoo.sample_batch()
+    with simulated_mesh((4,)) as mesh:
+        parallelize(model, mesh, (ids,), constraints=HF_LINEARS, program=True)
+        yield model, reference, ids, labels
+
+
+def test_a_hugging_face_model_replays_its_traced_path_as_one_device(hf_llama_program):
+    model, reference, ids, _ = hf_llama_program
+    expected = reference(ids).logits
+    expected.square().mean().backward()
+    out = model(ids).logits
+    assert_every_rank_matches(out, expected)
+    out.square().mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_every_rank_matches(p.grad.full_tensor(), q.grad)
+        p.grad, q.grad = None, None
+    assert not model.policy_plan.deviations
+
+
+def test_the_replay_runs_the_listed_collectives_under_other_tools_hooks(hf_llama_program):
+    """The replay calls no module, so CommDebugMode's module tracker (and any module hook) changes nothing."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model, _, ids, _ = hf_llama_program
+    plan = model.policy_plan
+    listed = plan.forward_collectives()
+    with CommDebugMode(), CommStatsMode() as comm, torch.no_grad():
+        model(ids)
+    assert dict(comm.stats.collectives) == dict(Counter(kind for kind, _ in listed)), str(plan)
+    assert sum(comm.stats.received_bytes.values()) == sum(nbytes for _, nbytes in listed)
+    assert not plan.deviations
+
+
+def test_what_the_replay_cannot_run_is_refused_by_name(hf_llama_program):
+    model, _, ids, labels = hf_llama_program
+    with pytest.raises(PolicyError, match="field 'labels' got 'a tensor'; expected the arguments the plan was traced"):
+        model(ids, labels=labels)
+    with pytest.raises(PolicyError, match=r"field 'input_ids' got 'a tensor of shape \[2, 8\]'; expected a tensor "
+                                          r"of shape \[2, 16\], as traced"):
+        model(ids[:, :8])
+
+
+def _compiled_step(rank: int) -> dict:
+    """HF Llama on 2 gloo ranks: parallelize(program=True), torch.compile (aot_eager), one forward + backward."""
+    import torch._dynamo
+    from torch.distributed.device_mesh import init_device_mesh
+
+    reference, model = hf_zoo.tiny_model("llama"), hf_zoo.tiny_model("llama")
+    ids, _ = hf_zoo.sample_batch()
+    expected = reference(ids).logits
+    expected.square().mean().backward()
+    mesh = init_device_mesh("cpu", (2,))
+    parallelize(model, mesh, (ids,), constraints=HF_LINEARS, program=True)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=counting)(ids).logits
+    out.square().mean().backward()
+    return dict(graphs=len(graphs), logits=float((out - expected).abs().max()),
+                grads=max(float((p.grad.full_tensor() - q.grad).abs().max())
+                          for p, q in zip(model.parameters(), reference.parameters())))
+
+
+def test_the_replayed_plan_compiles_into_one_graph_on_gloo_ranks():
+    for rank, result in run_ranks(_compiled_step, world=2, timeout_s=400).items():
+        assert result["graphs"] == 1, (rank, result)  # one graph: no graph break
+        assert result["logits"] < 1e-5 and result["grads"] < 1e-4, (rank, result)
