@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from tests.autotune.ranks import run_ranks
+from dtensor_ext.testing.ranks import run_ranks
 
 SCENARIOS = ("dense", "moe", "embedding-dynamic", "llama-2x2")
 WORLD = {"llama-2x2": 4}  # ranks per scenario; the others run on 2

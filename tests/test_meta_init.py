@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dtensor_ext  # noqa: F401  (the spawned ranks import it through this module, before their first DTensor)
 from dtensor_ext.models.llama import LlamaConfig, TinyLlama, torchtitan_plan
-from tests.autotune.ranks import run_ranks
+from dtensor_ext.testing.ranks import run_ranks
 
 CONFIG = LlamaConfig()  # vocabulary 32, dim 16, 4 heads, hidden 32, 2 layers
 LR = 0.5

@@ -358,6 +358,11 @@ def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object], *, fak
         example_inputs = (example_inputs,)
     recorder = _Recorder(model)
     if fake or (fake is None and on_meta(model, example_inputs)):
+        import dtensor_ext
+
+        # the torch fixes wait for DTensor's first use; a fake trace needs theirs now (float32 grouped GEMM's
+        # fake kernel comes from one)
+        dtensor_ext._settle_deferred_fixes(True)
         with fake_tensor_mode() as mode:
             state = {name: _fake_like(t, mode) for name, t in (*model.named_parameters(), *model.named_buffers())}
             example_inputs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, mode), example_inputs)

@@ -1,4 +1,4 @@
-"""Proving sharding rules: simulated meshes, the rule checker and hypothesis strategies.
+"""Proving sharding rules: simulated meshes, real gloo ranks, the rule checker and hypothesis strategies.
 
 Usable on your own rules and custom ops; see the README section "Prove your own rule".
 """
@@ -13,6 +13,7 @@ from dtensor_ext.testing.checker import (
     sample_tensor,
 )
 from dtensor_ext.testing.mesh import MESH_SHAPES, local_values, place_dtensor, rank_coordinates, simulated_mesh
+from dtensor_ext.testing.ranks import run_ranks
 
 __all__ = [
     "MESH_SHAPES",
@@ -25,6 +26,7 @@ __all__ = [
     "local_values",
     "place_dtensor",
     "rank_coordinates",
+    "run_ranks",
     "sample_tensor",
     "simulated_mesh",
 ]

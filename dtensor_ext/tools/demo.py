@@ -406,8 +406,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run DTensor's redistributions through the package's planner (off by default, as in "
                         "the package)")
     parser.add_argument("--compile", action="store_true",
-                        help="refused: the demo counts collectives with dispatch modes, under which torch.compile "
-                        "compiles nothing (see examples/sequence_parallel_training.py for a compiled training step)")
+                        help="run the applied plan under torch.compile on gloo ranks (started here unless torchrun "
+                        "did) and report graphs, graph breaks and the collectives the profiler saw")
+    parser.add_argument("--backend", choices=("aot_eager", "inductor"), default="aot_eager",
+                        help="torch.compile backend with --compile (default aot_eager)")
     parser.add_argument("--no-package", action="store_true",
                         help="run torch alone (the package uninstalled, torchtitan's plan); exit status 1 if it fails")
     parser.add_argument("--svg", type=output_file, default=Path("dtensor_ext_demo.svg"),
@@ -418,13 +420,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit status 0 when the job ran every step and matched one device, 1 otherwise, 2 for a usage error."""
     usage_error = getattr(args, "parser", argparse.ArgumentParser(prog="python -m dtensor_ext demo")).error
-    if args.compile:
-        usage_error("argument --compile: the demo counts collectives with dispatch modes (CommDebugMode), under "
-                    "which torch.compile runs every frame eagerly; examples/sequence_parallel_training.py compiles")
     try:
         check_mesh(args.mesh, demo_config(args.dense, args.layers))
     except ValueError as e:
         usage_error(f"argument --mesh: {e}")
+    if args.compile:
+        if args.no_package or args.planner:
+            usage_error("argument --compile: runs the package's plan alone (not with --no-package or --planner)")
+        from dtensor_ext.tools.compiled_demo import run_compiled
+
+        return run_compiled(tuple(args.mesh), args.steps, args.dense, args.layers, args.seed, args.backend)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     real_ranks = world > 1
     if real_ranks:

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch  # at module scope: the custom ops' annotations name it
 
-from tests.autotune.ranks import run_ranks
+from dtensor_ext.testing.ranks import run_ranks
 
 TIMEOUT_S = 3.0  # the benchmarker's start-barrier, agreement and shadow-group timeout in the fault cases
 STALL_S = TIMEOUT_S + 2.0

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dtensor_ext.autotune import IMPLEMENTATIONS, fit_alpha_beta, held_out_factor
-from tests.autotune.ranks import run_ranks
+from dtensor_ext.testing.ranks import run_ranks
 
 MESH = (2, 2)
 SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)

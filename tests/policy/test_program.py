@@ -14,7 +14,7 @@ from dtensor_ext.models import TinyLlama, policy_text
 from dtensor_ext.policy import PolicyError, build_plan, parallelize
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.tools.comm_stats import CommStatsMode
-from tests.autotune.ranks import run_ranks
+from dtensor_ext.testing.ranks import run_ranks
 from tests.policy.checks import assert_every_rank_matches
 from tests.policy.test_guarantee import check_matches_one_device
 

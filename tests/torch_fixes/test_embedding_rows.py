@@ -165,7 +165,7 @@ def _compiled_vocab_parallel_embedding(rank: int) -> tuple[int, list[bool]]:
 
 def test_compiled_vocab_parallel_embedding_with_dynamic_sequence_lengths():
     """Symbolic sequence lengths reach the embedding fixes' redistribution planning (unhashable SymInts before)."""
-    from tests.autotune.ranks import run_ranks
+    from dtensor_ext.testing.ranks import run_ranks
 
     results = run_ranks(_compiled_vocab_parallel_embedding, world=2, timeout_s=200)
     assert results == {rank: (1, [True, True, True]) for rank in range(2)}

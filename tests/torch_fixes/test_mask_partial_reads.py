@@ -67,7 +67,7 @@ def _compiled_steps(rank: int) -> list[tuple[bool, bool]]:
 def test_compiled_with_aot_eager_equals_one_device_step_after_step():
     """Dynamo's and AOTAutograd's traces each partition indices into the shared buffer, then the compiled steps
     run (2 gloo ranks: a fake group gives no values to compare)."""
-    from tests.autotune.ranks import run_ranks
+    from dtensor_ext.testing.ranks import run_ranks
 
     results = run_ranks(_compiled_steps, world=2, timeout_s=200)
     assert results == {rank: [(True, True)] * 3 for rank in range(2)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.autotune.ranks import run_ranks
+from dtensor_ext.testing.ranks import run_ranks
 from tests.zoo.scenarios import Step, mismatches, one_device, tensor_parallel
 
 COMPILED_MODELS = ("llama", "mixtral")
