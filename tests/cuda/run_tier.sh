@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 workers=$(python -c 'import xdist' 2>/dev/null && echo "-n ${TIER_WORKERS:-6}")
 timeout "${TIER_TIMEOUT:-460}" python -m pytest $workers tests/torch_fixes/test_attention_mask.py tests/torch_fixes/test_attention_empty_shards.py \
     tests/torch_fixes/test_attention_bias.py tests/torch_fixes/test_mask_partial_views.py tests/cuda/test_attention.py \
-    tests/cuda/test_grouped_mm.py tests/cuda/test_compile.py tests/cuda/test_zoo.py -v -rfEsxX \
+    tests/cuda/test_grouped_mm.py tests/cuda/test_compile.py tests/cuda/test_program_compile.py tests/cuda/test_zoo.py -v -rfEsxX -s \
     -p no:cacheprovider --timeout 200 --tb=short --junitxml "$out/junit.xml" > "$out/pytest.txt" 2>&1
 status=$?
 grep -E " (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|passed|failed" "$out/pytest.txt" >> "$out/summary.txt"
