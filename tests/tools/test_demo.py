@@ -130,6 +130,16 @@ def test_torchrun_runs_the_demo_on_four_gloo_ranks(tmp_path):
     ET.parse(tmp_path / "demo.svg")
 
 
+def test_compile_runs_the_applied_plan_as_one_graph_on_gloo_ranks(tmp_path):
+    """The main job compiles: its ranks started by the command itself, graphs counted, values against one device."""
+    out = subprocess.run([sys.executable, "-m", "dtensor_ext", "demo", "--compile", "--steps", "1", "--layers", "1",
+                          "--dense", "--mesh", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "graphs dynamo compiled: 1 (graph breaks: 0)" in out.stdout, out.stdout
+    assert "OK: one graph, matches one device" in out.stdout
+    assert "the profiler's gloo events): " in out.stdout and "all_reduce" in out.stdout
+
+
 def test_no_package_picture_says_it_shows_torch_alone(tmp_path):
     """With --no-package the one job is torch alone: labelled so, and where it failed before any step, the footer
     says so instead of an empty picture under the package's name."""
