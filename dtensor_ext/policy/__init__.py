@@ -8,12 +8,13 @@ filters them by the constraints and picks the cheapest plan exactly (HiGHS); it 
 Every malformed input and every constraint no plan meets raises PolicyError (a ValueError).
 """
 
-from dtensor_ext.policy.adapter import Plan, PolicyConfig, build_plan, parallelize
+from dtensor_ext.policy.adapter import PolicyConfig, build_plan, parallelize
 from dtensor_ext.policy.constraints import Constraint, load_constraints
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.graph_view import GraphView, OpNode
 from dtensor_ext.policy.hf_plans import HFPlan, model_plans
 from dtensor_ext.policy.pinned import load_plan
+from dtensor_ext.policy.plan import Plan
 from dtensor_ext.policy.opplan import (
     OpPartition,
     OpPlan,

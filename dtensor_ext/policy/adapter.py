@@ -20,9 +20,8 @@ import math
 import os
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,19 +29,19 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
 from dtensor_ext.policy.constraints import Constraint
-from dtensor_ext.policy.derive import (Candidate, CandidateCache, NodeOptions, is_inplace, local_shape,
-                                      operand_tensors, splits)
+from dtensor_ext.policy.derive import Candidate, CandidateCache, NodeOptions, local_shape, operand_tensors, splits
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.gradients import gradient_move, partial_groups, reduction_stops
-from dtensor_ext.policy.graph_view import GraphView, OpNode, tensors_in, trace_graph
+from dtensor_ext.policy.gradients import gradient_move, reduction_stops
+from dtensor_ext.policy.graph_view import GraphView, OpNode, is_inplace, last_writes, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
+from dtensor_ext.policy.plan import OpChoice, Plan, _collectives, _fmt, _replicated
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
 from dtensor_ext.policy.repeats import repeated_rows, shared_layers
 from dtensor_ext.policy.scopes import as_constraints, in_scope, unmatched_scope
 from dtensor_ext.policy.solve import EXACT, Problem, solve
 from dtensor_ext.redistribute.cost import IdealCostModel
 
-__all__ = ["Plan", "PolicyConfig", "build_plan", "parallelize"]
+__all__ = ["PolicyConfig", "build_plan", "parallelize"]
 
 # Compute prices next to the cost model's collectives (seconds): a rank's flops and the bytes its kernels touch.
 FLOP_S = 1e-13
@@ -79,263 +78,6 @@ class Requirement:
         if self.replica_allowed and c.replicated:
             return True
         return any(c.inputs[slot] == (Shard(dim),) for slot, dim in self.allowed)
-
-
-@dataclass
-class OpChoice:
-    """What the plan runs for one op: each operand's and each output's placements (one per mesh dim)."""
-
-    node: OpNode
-    inputs: tuple[tuple, ...]
-    outputs: tuple[tuple, ...]
-    local: bool = False  # DTensor has no way to run it: it runs replicated on plain tensors
-    moves: list[str] = field(default_factory=list)  # the redistributions of its inputs, described
-    grads: tuple = ()  # each operand's gradient placements as the solve priced them (None: no gradient)
-
-    @property
-    def how(self) -> str:
-        """How it runs, as the printed plan and its picture say it."""
-        if self.local:
-            return ("reads the value into Python, replicated" if self.node.reads_values else
-                    "local, replicated (DTensor has no rule)")
-        return f"in {', '.join(_fmt(p) for p in self.inputs)} -> out {', '.join(_fmt(p) for p in self.outputs)}"
-
-
-@dataclass
-class Plan:
-    """Everything the adapter decided; ``str(plan)`` shows it, ``parallelize`` applies it."""
-
-    mesh: DeviceMesh
-    graph: GraphView = field(repr=False)
-    ops: list[OpChoice]
-    params: dict[str, tuple]
-    recompute_groups: dict[int, list[str]]
-    stage_starts: dict[int, str]
-    hooks: list[tuple[str, Callable | None, Callable | None]]
-    cost_s: float = 0.0
-    planning_s: float = 0.0
-    # repeated layer -> the layer whose choices it runs (share_layers; ops whose candidates differ keep their own)
-    shared_layers: dict[str, str] = field(default_factory=dict)
-    # the last solve's proven gap: no plan's modelled cost is below cost_s * (1 - gap) (build_plan's optimality_gap)
-    gap: float = 0.0
-    deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
-    # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
-    styles: dict | None = None
-
-    def _returned(self) -> dict[int, list]:
-        """Each model output not held replicated -> the collectives that make it the full tensor the caller gets."""
-        from dtensor_ext.policy.styles import held_placements
-
-        full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(held_placements(self, tid))]
-        return {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
-                                  (Replicate(),) * self.mesh.ndim) for tid in full}
-
-    def forward_collectives(self) -> list[tuple[str, int]]:
-        """(kind, bytes the busiest rank receives) of each collective the plan's forward runs, in order: the moves
-        into each op's inputs, then the outputs made full. `parallelize` runs exactly these (DTensor's own plans
-        for each move)."""
-        return _forward_steps(_moves(self), self._returned())
-
-    def backward_collectives(self) -> list[tuple[str, int]]:
-        """(kind, bytes the busiest rank receives) of each collective the solve priced for the backward: each
-        gradient moved back to its value's placements (as `_pricer` prices the edge), then each Partial gradient
-        reduced once per value and mesh dim."""
-        return [(step.kind, max(step.recv_bytes)) for _, _, _, taken in _backward_moves(self) for step in taken]
-
-    def __str__(self) -> str:
-        from dtensor_ext.policy.styles import held_placements, proven_styles
-
-        moves, returned, backward = _moves(self), self._returned(), _backward_moves(self)
-        steps = _forward_steps(moves, returned)
-        back = [step for _, _, _, taken in backward for step in taken]
-        followers = Counter(self.shared_layers.values())
-        lines = [f"Plan for {type(self.graph.model).__name__} on mesh {tuple(self.mesh.shape)}"
-                 f"{' ' + str(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else ''}: {len(self.ops)} ops, "
-                 f"modelled {self.cost_s * 1e6:.1f} us per step (optimality gap {self.gap:.2%}), "
-                 f"planned in {self.planning_s:.2f} s"
-                 f"{''.join(f'; {n} repeated layers run the choices of {leader}' for leader, n in followers.items())}",
-                 f"  forward redistributions: {len(steps)} collectives, "
-                 f"{sum(nbytes for _, nbytes in steps):,} B received per rank (the busiest)",
-                 f"  backward redistributions: {len(back)} collectives, "
-                 f"{sum(max(s.recv_bytes) for s in back):,} B received per rank (the busiest)"]
-        back_by_op: dict[int, list] = {}
-        for where, _, what, taken in backward:
-            back_by_op.setdefault(where, []).append((what, taken))
-        sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
-        lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
-        lines += [f"    {fqn}: {_fmt(p)}" for fqn, p in sharded.items()]
-        lines.append("  ops (those that run sharded or move data):")
-        for op in self.ops:
-            found = moves[op.node.index]
-            if op.local or found or not all(_replicated(p) for p in (*op.inputs, *op.outputs)):
-                lines.append(f"    %{op.node.index} {op.node.signature} in {op.node.fqn or '<root>'}: {op.how}")
-                for slot, what, held, target, taken in found:
-                    shape = list(self.graph.tensors[op.node.operand_ids[slot]].shape)
-                    lines.append(f"      input {slot} ({what}, {shape}): {_fmt(held)} -> {_fmt(target)}: "
-                                 f"{_steps(taken, held)}")
-                for what, taken in back_by_op.get(op.node.index, []):
-                    lines.append(f"      backward {what}: {_steps(taken, ())}")
-        if returned:
-            lines.append("  outputs (the caller gets full tensors):")
-            for tid, taken in returned.items():
-                producer = self.graph.producer(tid)
-                lines.append(f"    %{producer.index} {list(self.graph.tensors[tid].shape)}: "
-                             f"{_fmt(held_placements(self, tid))} -> {_fmt((Replicate(),) * self.mesh.ndim)}: "
-                             f"{_steps(taken, held_placements(self, tid))}")
-        styles = proven_styles(self) if self.styles is None else self.styles
-        note = ", proven, applied by parallelize" if self.styles is None else ""
-        lines.append(f"  ParallelStyles ({len(styles)} modules{note}){':' if styles else ''}")
-        lines += [f"    {fqn}: {choice}" for fqn, choice in styles.items()]
-        if self.recompute_groups:
-            lines.append("  recompute groups:")
-            lines += [f"    {rid}: {', '.join(fqn or '<root>' for fqn in fqns)}"
-                      for rid, fqns in self.recompute_groups.items()]
-        if self.stage_starts:
-            lines.append("  pipeline stages (first module):")
-            lines += [f"    {stage}: {fqn or '<start>'}" for stage, fqn in sorted(self.stage_starts.items())]
-        if self.hooks:
-            lines.append("  hooks:")
-            lines += [f"    {fqn or '<root>'}: pre={_name(pre)} post={_name(post)}" for fqn, pre, post in self.hooks]
-        return "\n".join(lines)
-
-    def to_yaml(self) -> str:
-        """The solved plan as YAML: the mesh, the modelled step time, each parameter's and each op's placements;
-        ``policy.load_plan`` reads it back (pinned: the same plan, applied with ``parallelize(plan=...)``)."""
-        import yaml
-
-        ops = [{"op": op.node.index, "name": op.node.signature, "module": op.node.fqn,
-                "inputs": [_fmt(p) for p in op.inputs], "outputs": [_fmt(p) for p in op.outputs],
-                **({"local": True} if op.local else {})} for op in self.ops]
-        params = {fqn: _fmt(p) for fqn, p in self.params.items()}
-        modelled_us = round(self.cost_s * 1e6, 3)  # rounded: a pinned plan's time (us / 1e6) exports the same text
-        return yaml.safe_dump({"mesh": list(self.mesh.shape), "modelled_us": modelled_us, "parameters": params,
-                               "ops": ops}, sort_keys=False)
-
-    def to_mermaid(self, scope: str | None = None) -> str:
-        """The solved plan drawn as a Mermaid flowchart (policy.picture): ops with their placements, parameters,
-        and on each edge the forward and backward collectives `print(plan)` lists for that read, with their bytes.
-        ``scope`` (a module name, e.g. ``"model.layers.1"``) draws only the ops run inside that module and the
-        edges into and out of them."""
-        from dtensor_ext.policy.picture import mermaid
-
-        return mermaid(self, scope)
-
-    def split_spec(self) -> dict:
-        """Stage boundaries as ``torch.distributed.pipelining.pipeline(..., split_spec=...)`` expects them."""
-        from torch.distributed.pipelining import SplitPoint
-
-        return {fqn: SplitPoint.BEGINNING for stage, fqn in sorted(self.stage_starts.items()) if fqn}
-
-
-def _moves(plan: Plan) -> dict[int, list[tuple]]:
-    """Per op, each input that moves: (slot, its producer, placements held, placements read, the collectives
-    DTensor runs for the move, as its own redistribution planner plans them). As the executor does, a Partial
-    value read by several ops is reduced once: later readers move from the first reader's placements."""
-    from dtensor_ext.policy.styles import held_placements
-
-    found, reduced = {}, {}
-    for op in plan.ops:
-        found[op.node.index] = []
-        for slot, tid in enumerate(op.node.operand_ids):
-            held = held_placements(plan, tid)
-            target = op.inputs[slot]
-            if held == target:
-                continue
-            partial = any(p.is_partial() for p in held)
-            if partial and tid in reduced:
-                source = reduced[tid]  # a later reader starts from the first reader's reduction
-            else:
-                source = held
-                if partial:
-                    reduced[tid] = target
-            producer = plan.graph.producer(tid)
-            what = f"%{producer.index}" if producer is not None else plan.graph.params.get(tid, "input")
-            taken = [] if source == target else _collectives(plan.mesh, plan.graph.tensors[tid], source, target)
-            found[op.node.index].append((slot, what, held, target, taken))
-    return found
-
-
-def _backward_moves(plan: Plan) -> list[tuple[int, int, str, list]]:
-    """The backward's collectives as the solve prices them: per edge, (reader op, its operand slot, what, the
-    collectives moving the gradient back to the value's placements, its Partial mesh dims left to the reduction),
-    then per value whose chosen readers send it a Partial gradient, (the first such reader, the slot it reads the
-    value at, what, the one reduction of the summed gradient into the value's placement), or one per group of
-    readers where they are grouped (policy.gradients)."""
-    from dtensor_ext.policy.styles import held_placements
-
-    found = []
-    for op in plan.ops:
-        for slot, tid in enumerate(op.node.operand_ids):
-            value = plan.graph.tensors[tid]
-            g = op.grads[slot] if slot < len(op.grads) else None
-            if g is None or not value.is_floating_point():
-                continue
-            src, back_to = gradient_move(held_placements(plan, tid), g)
-            taken = [] if src == back_to else _collectives(plan.mesh, value, src, back_to)
-            if taken:  # a local cut moves nothing: not listed
-                found.append((op.node.index, slot, f"gradient of input {slot}: {_fmt(src)} -> {_fmt(back_to)}", taken))
-    for tid, (by_dims, grouped) in partial_groups(plan).items():
-        value = plan.graph.tensors[tid]
-        partial = {dims: reads[0] for dims, reads in by_dims.items() if dims}
-        for dims in partial if grouped else [frozenset().union(*partial)]:
-            reader, slot = partial[dims] if grouped else min(partial.values())
-            stops = reduction_stops(held_placements(plan, tid), dims)
-            taken = [step for a, b in zip(stops, stops[1:]) for step in _collectives(plan.mesh, value, a, b)]
-            found.append((reader, slot, f"reduce the Partial gradient of {list(value.shape)}"
-                          f"{' (one group of readers)' if grouped else ''}: {' -> '.join(map(_fmt, stops))}", taken))
-    return found
-
-
-def _forward_steps(moves: dict[int, list[tuple]], returned: dict[int, list]) -> list[tuple[str, int]]:
-    """(kind, bytes the busiest rank receives) of each collective in `moves` (_moves) and `returned`, in order."""
-    steps = [step for found in moves.values() for _, _, _, _, taken in found for step in taken]
-    steps += [step for taken in returned.values() for step in taken]
-    return [(step.kind, max(step.recv_bytes)) for step in steps]
-
-
-def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple, model=None) -> list:
-    """The collectives DTensor runs to move ``value`` from ``src`` to ``dst``, each with the bytes every rank
-    receives and its time under ``model`` (bound to the mesh; the ideal model by default): the package's reading
-    of torch's redistribution plan, ``redistribute.dtensor_plan``."""
-    from dtensor_ext import _compat
-    from dtensor_ext.redistribute.dtensor_plan import dtensor_steps
-    from dtensor_ext.redistribute.steps import StepBuilder
-
-    meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
-    transforms = _compat.redistribution_transforms(_compat.view_layout_spec(mesh, src, meta),
-                                                   _compat.DTensorSpec(mesh, dst, tensor_meta=meta))
-    builder = StepBuilder(tuple(value.shape), tuple(mesh.shape), value.dtype,
-                          model or IdealCostModel().bind(mesh.shape))
-    steps = dtensor_steps(builder, src, transforms, _compat.shard_to_shard_gathers(mesh))
-    return [step for step in steps if step.kind != "local"]
-
-
-def _steps(taken: list, held: tuple) -> str:
-    if taken:
-        return ", ".join(f"{s.kind} {max(s.recv_bytes):,} B" for s in taken)
-    if any(p.is_partial() for p in held):
-        return "no collective (an earlier reader reduced it)"
-    return "no collective (a local cut)"
-
-
-def _replicated(placements: tuple) -> bool:
-    return all(p.is_replicate() for p in placements)
-
-
-def _fmt(placements: tuple) -> str:
-    return "(" + ", ".join(_short(p) for p in placements) + ")"
-
-
-def _short(p) -> str:
-    if p.is_replicate():
-        return "R"
-    if splits(p):  # a Shard, or DTensor's strided shard of that dim
-        return f"S({p.dim})"
-    return "P"
-
-
-def _name(fn: Callable | None) -> str:
-    return getattr(fn, "__qualname__", repr(fn)) if fn is not None else "-"
 
 
 def build_plan(
@@ -408,7 +150,7 @@ def build_plan(
                 shared_layers=shared, gap=gap)
 
 
-def _trace_outside_simulation(model, example_inputs, fake: bool | None) -> GraphView:
+def _trace_outside_simulation(model, example_inputs, fake: bool | None = None) -> GraphView:
     """Trace with plain tensors even inside a simulated mesh, whose mode would turn results into per-rank ones."""
     mode = current_local_tensor_mode()
     if mode is not None:
@@ -657,7 +399,7 @@ def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate
             pricers[kind] = _unmoved(pricer(value)) if inplace else _pricer(value, model, mesh, moves)
         return pricers[kind]
 
-    last_write = _last_writes(graph)
+    last_write = last_writes(graph)
     for node in graph.nodes:
         outputs_memory = {graph.storage(t) for t in node.output_ids}
         for slot, tid in enumerate(node.operand_ids):
@@ -837,15 +579,6 @@ def _reduction_s(mesh: DeviceMesh, value: torch.Tensor, model, moves: dict, held
         raise PolicyError(f"the gradient of a {list(value.shape)} value", "placements", _fmt(held),
                           "a placement DTensor can reduce a Partial gradient into")
     return sum(times)
-
-
-def _last_writes(graph: GraphView) -> dict[int, int]:
-    """Memory an in-place op writes, through whichever view (``key[..., :8].copy_(k)`` writes ``key``'s) -> the
-    last such op's index."""
-    writes = {graph.storage(node.operand_ids[0]): node.index for node in graph.nodes
-              if is_inplace(node) and node.operand_ids}
-    writes.pop(None, None)
-    return writes
 
 
 def _unmoved(price):

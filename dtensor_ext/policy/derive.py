@@ -29,7 +29,7 @@ from dtensor_ext._compat import (clear_sharding_caches, fake_tensor_mode, outsid
                                  strided_offsets_on_plain_ints)
 from dtensor_ext.policy.graph_view import OpNode, op_outputs, replace_tensors, tensors_in, unique_tensors
 
-__all__ = ["Candidate", "CandidateCache", "NodeOptions", "enumerate_candidates", "is_inplace", "local_shape",
+__all__ = ["Candidate", "CandidateCache", "NodeOptions", "enumerate_candidates", "local_shape",
            "operand_tensors", "prove_combinations", "splits"]
 
 # Beyond this many input combinations, only those with at most two non-replicated inputs, plus the ones that shard
@@ -69,14 +69,6 @@ class NodeOptions:
     nbytes: int
     tried: dict  # input placements -> why they were refused (a collective DTensor needed, or its error)
     saved: int = 0  # bytes autograd saves for backward when the op runs on one device (parameters aside)
-
-
-def is_inplace(node: OpNode) -> bool:
-    """The op writes its first input (``x.add_(y)``, ``x /= y``, ``x[i] = y``)."""
-    name = getattr(node.fn, "__name__", "")
-    # the augmented assignments are `__i<op>__` of an operator `__<op>__` (not `__int__`, `__index__`, `__invert__`)
-    augmented = name.startswith("__i") and name.endswith("__") and hasattr(torch.Tensor, f"__{name[3:]}")
-    return augmented or (name.endswith("_") and not name.startswith("_")) or name == "__setitem__"
 
 
 def operand_tensors(node: OpNode) -> list[torch.Tensor]:

@@ -69,7 +69,7 @@ class PlanExecutor:
         self.mode = _PlanMode(self)
 
     def _reads_in_groups(self) -> dict[tuple[int, int], tuple[frozenset, tuple]]:
-        from dtensor_ext.policy.styles import held_placements
+        from dtensor_ext.policy.plan import held_placements
 
         return {read: (dims, held_placements(self.plan, tid))
                 for tid, (by_dims, grouped) in partial_groups(self.plan).items() if grouped

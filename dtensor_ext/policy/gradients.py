@@ -92,8 +92,8 @@ def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]
     the readers are grouped by those sets (`read_in_group`): where they differ, or some readers send a whole
     gradient beside a Partial one. Not where the value is Partial itself, or its memory is written in place (a
     group's step is a view: autograd refuses an in-place write through it)."""
-    from dtensor_ext.policy.adapter import _last_writes
-    from dtensor_ext.policy.styles import held_placements
+    from dtensor_ext.policy.graph_view import last_writes
+    from dtensor_ext.policy.plan import held_placements
 
     reads: dict[int, dict[frozenset, list[tuple[int, int]]]] = {}
     for op in plan.ops:
@@ -102,7 +102,7 @@ def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]
             if g is not None:
                 dims = frozenset(m for m, x in enumerate(g) if x.is_partial())
                 reads.setdefault(tid, {}).setdefault(dims, []).append((op.node.index, slot))
-    written = _last_writes(plan.graph)
+    written = last_writes(plan.graph)
     return {tid: (by_dims, len(by_dims) > 1 and plan.graph.storage(tid) not in written
                   and not any(p.is_partial() for p in held_placements(plan, tid)))
             for tid, by_dims in reads.items()

@@ -23,7 +23,8 @@ from dtensor_ext._compat import (TorchDispatchMode, fake_tensor_mode, local_tens
 from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["HOST_READ_OPS", "ClassChain", "GraphView", "OpNode", "ModuleCall", "OutputSlot", "op_names",
-           "op_outputs", "replace_tensors", "tensors_in", "trace_graph", "unique_tensors"]
+           "is_inplace", "last_writes", "op_outputs", "replace_tensors", "tensors_in", "trace_graph",
+           "unique_tensors"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _POLICY_DIR = os.path.dirname(__file__)
@@ -190,6 +191,23 @@ class GraphView:
         if isinstance(name, type):
             return any(isinstance(call.module, name) for call in self.module_calls.values())
         return name in self.module_classes()
+
+
+def is_inplace(node: OpNode) -> bool:
+    """The op writes its first input (``x.add_(y)``, ``x /= y``, ``x[i] = y``)."""
+    name = getattr(node.fn, "__name__", "")
+    # the augmented assignments are `__i<op>__` of an operator `__<op>__` (not `__int__`, `__index__`, `__invert__`)
+    augmented = name.startswith("__i") and name.endswith("__") and hasattr(torch.Tensor, f"__{name[3:]}")
+    return augmented or (name.endswith("_") and not name.startswith("_")) or name == "__setitem__"
+
+
+def last_writes(graph: GraphView) -> dict[int, int]:
+    """Memory an in-place op writes, through whichever view (``key[..., :8].copy_(k)`` writes ``key``'s) -> the
+    last such op's index."""
+    writes = {graph.storage(node.operand_ids[0]): node.index for node in graph.nodes
+              if is_inplace(node) and node.operand_ids}
+    writes.pop(None, None)
+    return writes
 
 
 def _caller_expression() -> str:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate
 from dtensor_ext.policy.errors import PolicyError
 
 if TYPE_CHECKING:
-    from dtensor_ext.policy.adapter import Plan
+    from dtensor_ext.policy.plan import Plan
 
 WHERE = "Plan.to_mermaid"
 
@@ -67,8 +67,7 @@ def _check_scope(plan: Plan, scope) -> None:
 def mermaid(plan: Plan, scope: str | None = None) -> str:
     """The plan (or the ops run inside module ``scope`` and the edges into and out of them) as a Mermaid
     flowchart."""
-    from dtensor_ext.policy.adapter import _backward_moves, _fmt, _moves, _steps
-    from dtensor_ext.policy.styles import held_placements
+    from dtensor_ext.policy.plan import _backward_moves, _fmt, _moves, _steps, held_placements
 
     _check_scope(plan, scope)
     graph, replicate = plan.graph, (Replicate(),) * plan.mesh.ndim

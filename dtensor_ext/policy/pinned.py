@@ -17,8 +17,8 @@ import yaml
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from dtensor_ext.policy.adapter import (OpChoice, Plan, _differentiated, _fmt, _moves, _short,
-                                       _trace_outside_simulation)
+from dtensor_ext.policy.adapter import _differentiated, _trace_outside_simulation
+from dtensor_ext.policy.plan import OpChoice, Plan, _fmt, _moves, _short
 from dtensor_ext.policy.constraints import _BoundedLoader
 from dtensor_ext.policy.derive import Candidate, CandidateCache, local_shape
 from dtensor_ext.policy.errors import PolicyError

@@ -21,12 +21,11 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from dtensor_ext._compat import pytree
-from dtensor_ext.policy.adapter import _last_writes
 from dtensor_ext.policy.derive import operand_tensors
 from dtensor_ext.policy.enforce import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.gradients import move_for_reading, read_in_group
-from dtensor_ext.policy.graph_view import OutputSlot, op_outputs
+from dtensor_ext.policy.graph_view import OutputSlot, last_writes, op_outputs
 
 __all__ = ["PlanProgram"]
 
@@ -55,7 +54,7 @@ class PlanProgram(PlanExecutor):
         self.model = model
         self.inputs = _input_slots(signature, graph.module_calls[""])
         self.shapes = {tid: tuple(graph.tensors[tid].shape) for tid in self.inputs.values()}
-        written = {storage for storage in _last_writes(graph)}
+        written = set(last_writes(graph))
         self.steps = [self._step_of(op, written) for op in plan.ops]
         known = set(graph.params) | set(graph.buffers) | set(self.inputs.values())
         produced = {tid for node in graph.nodes for tid in node.output_ids}

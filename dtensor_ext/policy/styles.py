@@ -43,10 +43,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_ext.policy.adapter import _short
+from dtensor_ext.policy.plan import _short, held_placements
 from dtensor_ext.policy.gradients import partial_groups
 
-__all__ = ["StyleChoice", "apply_styles", "held_placements", "proven_styles"]
+__all__ = ["StyleChoice", "apply_styles", "proven_styles"]
 
 
 @dataclass(frozen=True)
@@ -180,17 +180,6 @@ def _candidates(read, plain_input: bool):
 
 def _normal(p, ndim: int):
     return Shard(p.dim % ndim) if p.is_shard() else p
-
-
-def held_placements(plan, tid: int) -> tuple:
-    """The placements a value has where it was made: its producer's solved output, a parameter's solved
-    placements, or Replicate for a model input (the executor reads plain tensors as replicated)."""
-    node = plan.graph.producer(tid)
-    if node is not None:
-        return plan.ops[node.index].outputs[node.output_ids.index(tid)]
-    if tid in plan.graph.params:
-        return plan.params[plan.graph.params[tid]]
-    return (Replicate(),) * plan.mesh.ndim
 
 
 def _readers_outside(plan, tid: int, span: range) -> list[tuple]:

@@ -1,5 +1,5 @@
 """The collectives a plan lists for a move are the ones DTensor runs for it: the plan's reading of torch's
-redistribution (adapter._collectives) against a real redistribute on a simulated mesh, counted by the package's CommStatsMode.
+redistribution (plan._collectives) against a real redistribute on a simulated mesh, counted by the package's CommStatsMode.
 
 Two readings used to differ (found by running HF Llama, Qwen2, Mistral and Mixtral plans under a bandwidth-only
 cost model and counting what ran): a value made by a view (flattening a batch x sequence tensor sharded on both
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dtensor_ext.policy.adapter import _collectives
+from dtensor_ext.policy.plan import _collectives
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.tools.comm_stats import CommStatsMode
 
