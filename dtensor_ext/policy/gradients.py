@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["gradient_move", "gradient_target", "move_for_reading", "partial_groups", "read_in_group",
-           "reduce_partial_gradient", "reduction_stops"]
+__all__ = ["gradient_brought", "gradient_move", "gradient_target", "move_for_reading", "partial_groups",
+           "read_in_group", "reduce_partial_gradient", "reduction_stops"]
 
 
 def _whole(p):
@@ -109,19 +109,25 @@ def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]
             if any(by_dims) and plan.graph.tensors[tid].is_floating_point()}
 
 
-class _ReadInGroup(torch.autograd.Function):
-    """The value itself for one group of readers; backward reduces the group's summed gradient into `held`."""
+class _GradientBrought(torch.autograd.Function):
+    """The value itself (a view); backward hands the gradient summed over this view's readers to
+    `bring(grad, placements)`, a function torch.compile traces (a tensor hook on the value would break the graph)."""
 
     @staticmethod
-    def forward(ctx, value: DTensor, held: tuple):
-        ctx.held = held
+    def forward(ctx, value: DTensor, placements: tuple, bring):
+        ctx.placements, ctx.bring = placements, bring
         return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad):
-        return (reduce_partial_gradient(grad, ctx.held) if isinstance(grad, DTensor) else grad), None
+        return (ctx.bring(grad, ctx.placements) if isinstance(grad, DTensor) else grad), None, None
+
+
+def gradient_brought(value: DTensor, placements: tuple, bring) -> DTensor:
+    """`value` for some readers, whose summed gradient `bring(grad, placements)` returns as it goes back."""
+    return _GradientBrought.apply(value, tuple(placements), bring)
 
 
 def read_in_group(value: DTensor, held) -> DTensor:
     """`value` for the readers of one group (`partial_groups`): their gradients are summed, then reduced once."""
-    return _ReadInGroup.apply(value, tuple(held))
+    return gradient_brought(value, held, reduce_partial_gradient)

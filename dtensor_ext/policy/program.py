@@ -24,7 +24,7 @@ from dtensor_ext._compat import pytree
 from dtensor_ext.policy.derive import operand_tensors
 from dtensor_ext.policy.enforce import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.gradients import move_for_reading, read_in_group
+from dtensor_ext.policy.gradients import gradient_brought, move_for_reading, read_in_group
 from dtensor_ext.policy.graph_view import OutputSlot, last_writes, op_outputs
 
 __all__ = ["PlanProgram"]
@@ -137,7 +137,7 @@ class PlanProgram(PlanExecutor):
                 if hooked:
                     o.register_hook(functools.partial(_planned_gradient, list(gradient_at)))
                 else:
-                    o = _GradientAt.apply(o, gradient_at)
+                    o = gradient_brought(o, gradient_at, _at_planned_gradient)
             env[tid] = o
 
     def _moved(self, key, value: DTensor, target: tuple, moved: dict) -> DTensor:
@@ -165,19 +165,10 @@ class _Step:
     hooked: tuple
 
 
-class _GradientAt(torch.autograd.Function):
-    """The value itself; its gradient, summed over its readers, is brought to `placements` (enforce's
-    `_planned_gradient`, as a function torch.compile traces where a tensor hook would break the graph)."""
-
-    @staticmethod
-    def forward(ctx, value: DTensor, placements: tuple):
-        ctx.placements = placements
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        brought = _planned_gradient(list(ctx.placements), grad)
-        return (grad if brought is None else brought), None
+def _at_planned_gradient(grad: DTensor, placements: tuple) -> DTensor:
+    """enforce's `_planned_gradient` as `gradient_brought` calls it (the gradient itself where nothing changes)."""
+    brought = _planned_gradient(list(placements), grad)
+    return grad if brought is None else brought
 
 
 def _input_slots(signature: inspect.Signature, root) -> dict[str, int]:

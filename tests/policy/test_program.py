@@ -8,7 +8,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch import nn
 
 from dtensor_ext.models import TinyLlama, policy_text
 from dtensor_ext.policy import PolicyError, build_plan, parallelize
@@ -17,6 +16,7 @@ from dtensor_ext.tools.comm_stats import CommStatsMode
 from dtensor_ext.testing.ranks import run_ranks
 from tests.policy.checks import assert_every_rank_matches
 from tests.policy.test_guarantee import check_matches_one_device
+from tests.policy.test_meta_planning import _Branches
 
 hf_zoo = pytest.importorskip("dtensor_ext.testing.hf_zoo")
 
@@ -33,19 +33,9 @@ def test_the_replayed_plan_equals_one_device(mesh_shape):
     assert plan.params["layers.0.attention.wq.weight"][-1].is_shard(0)
 
 
-class _ReadsAValue(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.proj(x)
-        return h * 2 if h.sum() > 0 else h
-
-
 def test_a_trace_that_read_values_is_not_replayed():
     torch.manual_seed(0)
-    model = _ReadsAValue()
+    model = _Branches()
     with simulated_mesh((2,)) as mesh:
         plan = build_plan(model, mesh, (torch.randn(4, 8),), constraints=(
             '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0"]\n  replica_allowed: false\n'))
