@@ -59,8 +59,8 @@ def _local_numels(shape, spec: DTensorSpec) -> list[int]:
 
 
 def _viewed_shape(shape: tuple[int, ...], sizes) -> tuple[int, ...]:
-    """The shape `view(sizes)` gives a tensor of `shape` (one -1 inferred), worked out on ints: a strategy may run
-    while torch.compile traces, where running the view itself would break the graph."""
+    """The shape `view(sizes)` gives a tensor of `shape` (one -1 inferred), worked out on ints: a view's strategy
+    runs while torch.compile traces, where running the view itself on a meta tensor broke the graph."""
     sizes = [int(s) for s in sizes]
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
@@ -74,7 +74,10 @@ def unaliased_layout(op_schema: OpSchema, offered: OpStrategy) -> str | None:
     shape = tuple(op_schema.args_schema[0].shape)
     if not all(isinstance(s, int) for s in shape):
         return None
-    target = _viewed_shape(shape, op_schema.args_schema[1])
+    if op_schema.op in _STRICT_VIEW_OPS:
+        target = _viewed_shape(shape, op_schema.args_schema[1])
+    else:  # the other views `view_copies()` checks (squeeze): their shape from a meta run
+        target = tuple(op_schema.op(torch.empty(shape, device="meta"), *op_schema.args_schema[1:]).shape)
     for spec in offered.strategies:
         source = spec.input_specs[0] if spec.input_specs else op_schema.args_schema[0].strategies[0].output_spec
         before, after = _local_numels(shape, source), _local_numels(target, spec.output_spec)
