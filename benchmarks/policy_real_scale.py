@@ -54,7 +54,7 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
     import transformers
 
     import dtensor_ext  # noqa: F401
-    from dtensor_ext.policy import adapter, build_plan, graph_view
+    from dtensor_ext.policy import adapter, build_plan
     from dtensor_ext.policy import solve as solve_module
     from dtensor_ext.testing import simulated_mesh
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from dtensor_ext import _compat
 from dtensor_ext.models import TinyLlama
 from dtensor_ext.tools.demo import (BATCH_PER_DP_RANK, LR, _average_gradients_over_dp, _batches, _max_error,
                                     demo_config)
@@ -50,9 +51,9 @@ def compiled_job(rank: int, mesh_shape: tuple[int, ...], steps: int, dense: bool
 
     def counting(gm, example_inputs):
         graphs.append(len(gm.graph.nodes))
-        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+        return _compat.dynamo_backend(backend)(gm, example_inputs)
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(model, backend=counting)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, foreach=True)

@@ -6,7 +6,6 @@ device; the step times (best of several) are printed for the closing note, not a
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dtensor_ext.testing.ranks import run_ranks
 
