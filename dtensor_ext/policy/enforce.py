@@ -168,10 +168,9 @@ class PlanExecutor:
         replicate = [Replicate()] * self.mesh.ndim
         table = {}
         for slot, (arg, target) in enumerate(zip(operands, op.inputs)):
-            t = arg
             if k in self.styled:  # a ParallelStyle's hooks prepared the module's inputs as planned
                 continue
-            t = self.same_values.get(id(t), (None, t))[1]
+            t = self.same_values.get(id(arg), (None, arg))[1]
             t_read = self.aliases[id(t)][1] if id(t) in self.aliases else t
             d = t_read if isinstance(t_read, DTensor) else DTensor.from_local(t_read, self.mesh, replicate,
                                                                               run_check=False)
