@@ -6,10 +6,9 @@ itself: the k-th traced op is called with its traced arguments, each traced tens
 replay made for it (a parameter, a buffer or an input wrapped as Replicate, an earlier op's output), moved as the
 interpreter moves it (`PlanExecutor.run`: a Partial value reduced once for all its readers, grouped reads), with
 values looked up by trace id rather than by object identity, which torch.compile cannot trace. What runs is the
-traced program, straight-line: the Python
-around the ops (shapes, branches, a mask's construction) was decided by the trace, as `torch.export` decides it,
-so the inputs must have the traced shapes, and a tensor the trace did not take (a `labels=` it was not given) is a
-PolicyError that names it. A model traced on fake tensors (planned from the meta device) replays the program its
+traced program, straight-line: the Python around the ops (shapes, branches, a mask's construction) was decided
+by the trace, as `torch.export` decides it, so the inputs must have the traced shapes, and a tensor the trace did
+not take (a `labels=` it was not given) is a PolicyError that names it. A model traced on fake tensors (planned from the meta device) replays the program its
 fake trace recorded: Hugging Face's compiled path, with explicit masks.
 """
 
