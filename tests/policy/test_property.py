@@ -1,5 +1,7 @@
 """Property: on random small models and random constraint sets, on 1-D and 2-D simulated meshes, every plan the
-adapter applies gives the single-device forward and gradients, and every refusal is a PolicyError."""
+adapter applies gives the single-device forward and gradients, and every refusal is a PolicyError; whether the
+model is planned with its values, planned on the meta device and applied after materializing, or applied as a
+program (the trace replayed)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import distribute_tensor
 
 from dtensor_ext.policy import PolicyError, build_plan, parallelize
 from dtensor_ext.testing import simulated_mesh
@@ -81,7 +84,7 @@ def cases(draw):
     mesh_shape = draw(st.sampled_from([(2,), (2, 2)]))
     # on a named 2-D mesh the constraints apply to 'tp' and the solver plans 'dp'; unnamed, they apply to both
     names = draw(st.sampled_from([None, ("dp", "tp")])) if len(mesh_shape) == 2 else None
-    return kinds, entries, mesh_shape, names
+    return kinds, entries, mesh_shape, names, draw(st.sampled_from(["values", "meta", "program"]))
 
 
 def _yaml(entries) -> str:
@@ -98,10 +101,15 @@ def _yaml(entries) -> str:
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_every_applied_plan_matches_one_device_and_every_refusal_is_a_policy_error(case):
-    kinds, entries, mesh_shape, names = case
+    kinds, entries, mesh_shape, names, how = case
     torch.manual_seed(0)
-    model, reference = Chain(kinds), Chain(kinds)
-    reference.load_state_dict(model.state_dict())
+    reference = Chain(kinds)
+    if how == "meta":
+        with torch.device("meta"):
+            model = Chain(kinds)
+    else:
+        model = Chain(kinds)
+        model.load_state_dict(reference.state_dict())
     x = torch.randn(4, 4, WIDTH)
     x_ref = x.clone().requires_grad_()
     expected = reference(x_ref)
@@ -110,10 +118,17 @@ def test_every_applied_plan_matches_one_device_and_every_refusal_is_a_policy_err
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a drawn entry may name an op the drawn chain does not run
-                plan = build_plan(model, mesh, (x,), constraints=_yaml(entries), warn_unused=True)
+                plan = build_plan(model, mesh, (x,), constraints=_yaml(entries), warn_unused=True,
+                                  fake_trace=how == "program" or None)
         except PolicyError:
             return  # a refusal, precise by type; what it says is checked in test_guarantee
-        parallelize(model, mesh, (x,), plan=plan)
+        parallelize(model, mesh, (x,), plan=plan, program=how == "program")
+        if how == "meta":
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                full = dict(reference.named_parameters())
+                for name, param in model.named_parameters():
+                    param.copy_(distribute_tensor(full[name].detach(), mesh, param.placements))
         x.requires_grad_()
         out = model(x)
         assert_every_rank_matches(out, expected)
