@@ -28,8 +28,8 @@ from dtensor_ext._compat.types import (  # noqa: F401
 )
 from dtensor_ext._compat.testing import (  # noqa: F401
     current_local_tensor_mode, enabled_local_tensor_mode, local_int, local_int_values, local_tensor_values, opinfo_db,
-    outside_dispatch_modes, outside_simulated_ranks, outside_torch_function_modes, per_simulated_rank, probing_context, rank_results_combiner,
-    set_rank_results_combiner,
+    outside_dispatch_modes, outside_simulated_ranks, outside_torch_function_modes, per_simulated_rank, probing_context,
+    rank_results_combiner, set_rank_results_combiner,
 )
 from dtensor_ext._compat.propagation import (  # noqa: F401
     auto_register_variants, can_adjust_scalars, can_derive_variants, clear_sharding_caches, compare_operator,
@@ -64,5 +64,5 @@ from dtensor_ext._compat.compile import (  # noqa: F401
     aot_eager_with_joint_pass, custom_op_autotuning_api, dynamo_backend, fake_mode_of, fake_tensor_mode,
     inductor_cache_dir, inductor_custom_pass_api, inductor_joint_pass_slot, override_meta_kernel,
     process_groups_by_name, route_group_names, set_collective_choice_benchmark, size_hint, storage_key,
-    strided_offsets_on_plain_ints, value_dependent_errors, swap_dynamo_backend, wrap_inductor_entry,
+    strided_offsets_on_plain_ints, swap_dynamo_backend, value_dependent_errors, wrap_inductor_entry,
 )

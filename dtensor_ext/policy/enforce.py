@@ -146,17 +146,20 @@ class PlanExecutor:
             if isinstance(param, DTensor) and param.requires_grad:
                 param.register_hook(functools.partial(_reduced_gradient, list(param.placements)))
 
-    def _move(self, d: DTensor, target: list) -> DTensor:
+    def _move(self, d: DTensor, target, key=None, reduced: dict | None = None) -> DTensor:
         """Redistribute; a Partial value read by several ops is reduced once (DTensor's masked partials, e.g. a
-        vocab-sharded embedding's, can be reduced only once), later readers start from that reduction."""
-        if list(d.placements) == target:
+        vocab-sharded embedding's, can be reduced only once), later readers start from that reduction. `key` names
+        the value (the program's trace id; the interpreter's is the object's identity); `reduced` holds the
+        reductions of this call (the interpreter's own table by default)."""
+        key, reduced = id(d) if key is None else key, self.reduced if reduced is None else reduced
+        if tuple(d.placements) == tuple(target):
             return d
         if not any(p.is_partial() for p in d.placements):
             return move_for_reading(d, target)
-        if id(d) in self.reduced:
-            return self._move(self.reduced[id(d)][1], target)
+        if key in reduced:
+            return self._move(reduced[key][1], target, ("reduced", key), reduced)
         moved = move_for_reading(d, target)
-        self.reduced[id(d)] = (d, moved)
+        reduced[key] = (d, moved)
         return moved
 
     def run(self, k: int, func, args, kwargs):

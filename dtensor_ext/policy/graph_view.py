@@ -406,25 +406,14 @@ def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object], *, fak
     param_ids = {tid: params[id(t)] for tid, t in ids.items() if id(t) in params}
     graph = GraphView(model, recorder.nodes, recorder.calls, param_ids, outputs, ids)
     graph.buffers = {tid: buffers[id(t)] for tid, t in ids.items() if id(t) in buffers}
-    graph.output_template = _template(out, recorder._ids)
+    # the returned structure (tuples, dicts, Hugging Face's ModelOutput: pytree nodes), an OutputSlot per tensor
+    graph.output_template = pytree.tree_map_only(
+        torch.Tensor, lambda t: OutputSlot(recorder._ids[id(t)]) if id(t) in recorder._ids else t, out)
     return graph
 
 
 class OutputSlot(int):
     """In a traced output's template: the trace id of the tensor returned there."""
-
-
-def _template(value, ids: dict[int, int]):
-    """The model's output with each traced tensor replaced by its OutputSlot: tuples, lists, dicts and Hugging
-    Face's ModelOutput (a dict rebuilt by its class) keep their structure, anything else is kept as it was."""
-    if isinstance(value, torch.Tensor):
-        return OutputSlot(ids[id(value)]) if id(value) in ids else value
-    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(_template(v, ids) for v in value)
-    if isinstance(value, dict):
-        return type(value)(**{k: _template(v, ids) for k, v in value.items()}) if type(value) is not dict else {
-            k: _template(v, ids) for k, v in value.items()}
-    return value
 
 
 def on_meta(model: torch.nn.Module, example_inputs: Sequence[object]) -> bool:

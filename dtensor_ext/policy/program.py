@@ -8,8 +8,9 @@ interpreter moves it (`PlanExecutor.run`: a Partial value reduced once for all i
 values looked up by trace id rather than by object identity, which torch.compile cannot trace. What runs is the
 traced program, straight-line: the Python around the ops (shapes, branches, a mask's construction) was decided
 by the trace, as `torch.export` decides it, so the inputs must have the traced shapes, and a tensor the trace did
-not take (a `labels=` it was not given) is a PolicyError that names it. A model traced on fake tensors (planned from the meta device) replays the program its
-fake trace recorded: Hugging Face's compiled path, with explicit masks.
+not take (a `labels=` it was not given) is a PolicyError that names it. A model traced on fake tensors (planned
+from the meta device) replays the program its fake trace recorded: Hugging Face's compiled path, with explicit
+masks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dtensor_ext._compat import pytree
 from dtensor_ext.policy.derive import operand_tensors
 from dtensor_ext.policy.enforce import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.gradients import gradient_brought, move_for_reading, read_in_group
+from dtensor_ext.policy.gradients import gradient_brought, read_in_group
 from dtensor_ext.policy.graph_view import OutputSlot, last_writes, op_outputs
 
 __all__ = ["PlanProgram"]
@@ -66,6 +67,10 @@ class PlanProgram(PlanExecutor):
                                       "operands that are inputs, parameters, buffers or op outputs: a tensor the "
                                       "forward reads from elsewhere (a plain attribute) has no place in the replay; "
                                       "register it as a buffer")
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(graph.output_template)):
+            raise PolicyError("parallelize", "program", "an output the trace did not make (no traced op read it)",
+                              "outputs the replay makes: return values the forward computes, or run the plan with "
+                              "program=False")
         forward, bind = model.forward, signature.bind
 
         @functools.wraps(forward)
@@ -107,21 +112,24 @@ class PlanProgram(PlanExecutor):
                                   f"a tensor of shape {list(self.shapes[tid])}, as traced (the replayed program "
                                   "is the traced one: plan again for other shapes)")
             env[tid] = _replicated(value, mesh, replicate)
-        moved: dict = {}  # (trace id, placements or group) -> the value moved there in this call
+        # this call's reductions and read groups, by trace id: local, not the executor's tables (a tensor kept on
+        # an object would leave torch.compile's graph as an output whose gradient never comes)
+        reduced, grouped = {}, {}
         for k, step in enumerate(self.steps):
-            self._run_step(k, step, env, moved, replicate)
-        return _filled(graph.output_template, env)
+            self._run_step(k, step, env, replicate, reduced, grouped)
+        return pytree.tree_map_only(OutputSlot, lambda slot: _full(env[int(slot)], {}), graph.output_template)
 
-    def _run_step(self, k: int, step: _Step, env: dict, moved: dict, replicate: list) -> None:
+    def _run_step(self, k: int, step: _Step, env: dict, replicate: list, reduced: dict, grouped: dict) -> None:
         op = self.plan.ops[k]
         values = {}
         for tid, target, group in step.reads:
-            value = env[tid]
+            value, key = env[tid], tid
             if group is not None:
-                if (tid, group) not in moved:
-                    moved[tid, group] = read_in_group(value, group[1])
-                value = moved[tid, group]
-            values[tid] = self._moved(tid if group is None else (tid, group), value, target, moved)
+                key = (tid, group)
+                if key not in grouped:
+                    grouped[key] = read_in_group(value, group[1])
+                value = grouped[key]
+            values[tid] = self._move(value, target, key, reduced)
         flat = list(step.flat)
         for position, tid in step.slots:
             flat[position] = values[tid].to_local() if op.local else values[tid]
@@ -140,17 +148,6 @@ class PlanProgram(PlanExecutor):
                 else:
                     o = gradient_brought(o, gradient_at, _at_planned_gradient)
             env[tid] = o
-
-    def _moved(self, key, value: DTensor, target: tuple, moved: dict) -> DTensor:
-        """`value` at `target`; a Partial value is reduced once for all its readers (as PlanExecutor._move)."""
-        if tuple(value.placements) == target:
-            return value
-        if not any(p.is_partial() for p in value.placements):
-            return move_for_reading(value, target)
-        if ("reduced", key) in moved:
-            return self._moved(("reduced", key), moved["reduced", key], target, moved)
-        moved["reduced", key] = move_for_reading(value, target)
-        return moved["reduced", key]
 
 
 @dataclass(frozen=True)
@@ -189,16 +186,3 @@ def _replicated(t: torch.Tensor, mesh, replicate: list) -> DTensor:
 def _described(value) -> str:
     return f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:80]
 
-
-def _filled(template, env: dict):
-    """The traced output structure with each slot's value, full (as the interpreter returns it)."""
-    if isinstance(template, OutputSlot):
-        return _full(env[int(template)], {})
-    if isinstance(template, (tuple, list)) and not hasattr(template, "_fields"):
-        return type(template)([_filled(v, env) for v in template])
-    if isinstance(template, dict):
-        filled = {}
-        for key in list(template.keys()):
-            filled[key] = _filled(template[key], env)
-        return filled if type(template) is dict else type(template)(**filled)
-    return template

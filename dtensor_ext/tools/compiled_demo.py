@@ -132,7 +132,7 @@ def format_compiled(result: dict, mesh_shape, dense: bool, layers: int, backend:
         f"{max(s['grad_error'] for s in steps):.1e} over {len(steps)} steps (loss {steps[0]['loss']:.3f} -> "
         f"{last['loss']:.3f}); plan deviations {result['deviations']}",
         f"  per step (rank 0, the profiler's gloo events): {collectives}; {elements:,} elements into collectives "
-        f"({4 * elements:,} B of float32)",
+        "(the events' input shapes)",
         f"  the plan lists per step on tp: {', '.join(f'{n} {k}' for k, n in sorted(result['listed'].items()))} "
         f"(and the dp gradient average: 1 all_reduce where dp > 1)",
         f"  last step {last['seconds'] * 1e3:.0f} ms (first, with compilation: {steps[0]['seconds']:.1f} s); "
