@@ -185,9 +185,11 @@ def _slot(node: OpNode, index: int, dim: int, where: str, field_name: str, shown
 
 
 def _requirements_from_constraints(graph: GraphView, mesh: DeviceMesh, constraints: list[Constraint],
-                                   warn_unused: bool) -> dict[int, Requirement]:
-    found: dict[int, Requirement] = {}
-    origin: dict[int, str] = {}
+                                   warn_unused: bool) -> dict[int, list[Requirement]]:
+    """Each constrained op -> its requirements, one per mesh dim at most (tensor parallel on 'tp' and data
+    parallel on 'dp' may both constrain one linear)."""
+    found: dict[int, list[Requirement]] = {}
+    origin: dict[tuple[int, int], str] = {}
     for c in constraints:
         dims = _mesh_dims(mesh, c.mesh_dim, c.source)
         named = [n for n in graph.nodes if c.name in n.names]
@@ -213,16 +215,27 @@ def _requirements_from_constraints(graph: GraphView, mesh: DeviceMesh, constrain
         for node in named:
             if c.parent_module is not None and not node.in_module_class(c.parent_module):
                 continue
-            if node.index in found:
-                raise PolicyError(c.source, "name", c.name, f"one constraint per op; {node} is already constrained "
-                                                            f"by {origin[node.index]}")
+            taken = next((m for m in dims if (node.index, m) in origin), None)
+            if taken is not None:
+                raise PolicyError(c.source, "name", c.name, f"one constraint per op and mesh dim; {node} is already "
+                                                            f"constrained on mesh dim {_dim_name(mesh, taken)} by "
+                                                            f"{origin[node.index, taken]}")
             shown = tuple(f"{i},{d}" for i, d in c.allowed_partition_dims)
             allowed = tuple(_slot(node, i, d, c.source, "allowed_partition_dims", s)
                             for (i, d), s in zip(c.allowed_partition_dims, shown))
-            found[node.index] = Requirement(allowed, c.replica_allowed, dims, f"{c.source}: {node}", shown,
-                                            holds=c.holds)
-            origin[node.index] = c.source
+            found.setdefault(node.index, []).append(Requirement(allowed, c.replica_allowed, dims,
+                                                                f"{c.source}: {node}", shown, holds=c.holds))
+            origin.update({(node.index, m): c.source for m in dims})
     return found
+
+
+def _dim_name(mesh: DeviceMesh, m: int) -> str:
+    return repr(mesh.mesh_dim_names[m]) if mesh.mesh_dim_names else str(m)
+
+
+def _on_dim(requirements: list[Requirement], m: int) -> Requirement | None:
+    """The op's requirement on mesh dim m, if any."""
+    return next((r for r in requirements if m in r.mesh_dims), None)
 
 
 def _call_policy(policy: Callable, graph: GraphView, cfg):
@@ -262,9 +275,9 @@ def _requirements_from_policy(graph: GraphView, mesh: DeviceMesh, policy: Callab
                 raise PolicyError(where, "partition", plan.partition, "OpPartition with integer input and dim")
             shown = str(plan.partition)
             slot = _slot(node, plan.partition.input, plan.partition.dim, where, "partition", shown)
-            found[node.index] = Requirement((slot,), False, dims, where, (shown,), "partition")
+            found[node.index] = [Requirement((slot,), False, dims, where, (shown,), "partition")]
         elif plan.partition is None:
-            found[node.index] = Requirement((), True, dims, where, (), "partition")
+            found[node.index] = [Requirement((), True, dims, where, (), "partition")]
         elif plan.partition != "auto":
             raise PolicyError(where, "partition", plan.partition, "OpPartition(input, dim), 'auto' or None")
         if plan.recompute_id >= 0:
@@ -288,7 +301,7 @@ TIE_S_PER_BYTE = 1e-18
 STATE_COPIES = 4
 
 
-def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirement], cost_model,
+def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, list[Requirement]], cost_model,
             memory_budget: int | None = None, share_layers: bool = True, optimality_gap: float = EXACT):
     """Each op's candidates on the whole mesh (combinations of its per-dim candidates, filtered by the
     constraints), one exact solve over all of them (every mesh dim at once), then the per-op placements.
@@ -305,7 +318,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
     sources = sorted({tid for node in graph.nodes for tid in node.operand_ids if tid not in producers})
     differentiated = _differentiated(graph)
     pins = _parameter_pins(graph, requirements)
-    found = [_node_candidates(node, mesh, cache, requirements.get(node.index), graph, differentiated)
+    found = [_node_candidates(node, mesh, cache, requirements.get(node.index, []), graph, differentiated)
              for node in graph.nodes]
     candidates = [kept for kept, _, _ in found]
     local = {node.index for node in graph.nodes if not candidates[node.index]}
@@ -340,9 +353,9 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, Requirem
                 proofs = [c if c.proven else cache.prove(node, c, *found[v][2]) for c in candidates[v]]
                 candidates[v] = [c for c in proofs if isinstance(c, Candidate)]
                 if not candidates[v]:  # DTensor refuses every combination: the op runs replicated, if it may
-                    requirement = requirements.get(v)
-                    if is_inplace(node) or requirement is not None and not requirement.replica_allowed:
-                        raise _no_combination(node, requirement, mesh, refused, proof)
+                    strict = next((r for r in requirements.get(v, []) if not r.replica_allowed), None)
+                    if is_inplace(node) or strict is not None:
+                        raise _no_combination(node, strict, mesh, refused, proof)
                     local.add(v)
                     candidates[v] = [_replicated_candidate(node, found[v][1].saved, mesh.ndim)]
             if not changed:
@@ -443,11 +456,11 @@ def _no_combination(node: OpNode, requirement: Requirement | None, mesh: DeviceM
                                                f"{', '.join(map(_fmt, refused.inputs))}: {why.rstrip('.')})")
 
 
-def _parameter_pins(graph: GraphView, requirements: dict[int, Requirement]) -> dict[int, dict[int, Shard]]:
+def _parameter_pins(graph: GraphView, requirements: dict[int, list[Requirement]]) -> dict[int, dict[int, Shard]]:
     """Parameter trace id -> {mesh dim: the Shard it is held at}, from the requirements that hold what they read."""
     pins: dict[int, dict[int, Shard]] = {}
     by: dict[tuple[int, int], str] = {}
-    for index, r in requirements.items():
+    for index, r in ((index, r) for index, rs in requirements.items() for r in rs):
         for slot, dim in r.allowed if r.holds else ():
             tid = graph.nodes[index].operand_ids[slot]
             for m in r.mesh_dims if tid in graph.params else ():
@@ -460,10 +473,10 @@ def _parameter_pins(graph: GraphView, requirements: dict[int, Requirement]) -> d
     return pins
 
 
-def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requirement: Requirement | None,
+def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requirements: list[Requirement],
                      graph: GraphView, differentiated: set[int]) -> tuple[list[Candidate], NodeOptions, tuple]:
     """The op's candidates on the whole mesh, its one-device work, and its (parameter, differentiated) operand
-    slots. Per mesh dim, DTensor's candidates there, filtered by the constraint where it applies to that dim; then
+    slots. Per mesh dim, DTensor's candidates there, filtered by the constraint on that dim; then
     every combination of one survivor per dim (CandidateCache.combined). A combination DTensor runs on the whole
     mesh without communicating also runs, dim by dim, on each dim's part of it for the ops whose N-D strategies
     DTensor builds as products of per-dim ones (single-dim rules, expanded op strategies): for those, combining
@@ -472,7 +485,8 @@ def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requ
     param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
     grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
     if node.reads_values:  # no candidate: it runs on the whole value, replicated (_derive's local ops)
-        if requirement is not None and not requirement.replica_allowed:
+        requirement = next((r for r in requirements if not r.replica_allowed), None)
+        if requirement is not None:
             raise PolicyError(requirement.source, "replica_allowed", False,
                               f"True: {node.signature} hands the value to Python, which needs all of it on "
                               f"every rank (a shard or a Partial sum there is one rank's part)")
@@ -481,7 +495,8 @@ def _node_candidates(node: OpNode, mesh: DeviceMesh, cache: CandidateCache, requ
     for m in range(mesh.ndim):
         found = cache.options(node, m, param_slots, grad_slots)
         kept = found.candidates
-        if requirement is not None and m in requirement.mesh_dims:
+        requirement = _on_dim(requirements, m)
+        if requirement is not None:
             kept = [c for c in kept if requirement.admits(c)]
             if not kept and not (requirement.replica_allowed and not found.candidates):
                 raise _unmet(node, requirement, found, mesh, m)

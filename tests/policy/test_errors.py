@@ -90,8 +90,8 @@ def test_unused_constraint_warns_when_asked(mesh_1d2):
 
 def test_two_constraints_for_one_op(error):
     assert error(constraints=_yaml() + _yaml(dims='["0,1"]')) == (
-        "<yaml> entry 1 (line 4): field 'name' got 'torch.sum'; expected one constraint per op; "
-        f"{SUM_OP} is already constrained by <yaml> entry 0 (line 1)")
+        "<yaml> entry 1 (line 4): field 'name' got 'torch.sum'; expected one constraint per op and mesh dim; "
+        f"{SUM_OP} is already constrained on mesh dim 0 by <yaml> entry 0 (line 1)")
 
 
 def test_constraints_and_policy_together(error):

@@ -204,6 +204,33 @@ def test_two_dimensional_mesh_constraint_on_its_named_dim():
     assert isinstance(plan.ops[0].inputs[1], tuple) and len(plan.ops[0].inputs[1]) == 2
 
 
+def test_tensor_parallel_on_tp_and_data_parallel_on_dp_constrain_the_same_linears():
+    """One constraint per op and mesh dim: the linears column- or row-parallel on tp and batch-split on dp (the
+    2-D hand plan) both hold, and the applied plan equals one device."""
+    yaml = TP_LINEARS + "  mesh_dim: tp\n" + """\
+- name: torch.nn.functional.linear
+  allowed_partition_dims: ["0,0"]
+  replica_allowed: false
+  mesh_dim: dp
+"""
+    plan = check_matches_one_device(lambda: Pair(lambda h: torch.softmax(h, -1)), (torch.randn(4, 4, 8),),
+                                    mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), constraints=yaml)
+    linears = [op for op in plan.ops if op.node.signature == "torch.nn.functional.linear"]
+    assert len(linears) == 2
+    for op in linears:
+        assert op.inputs[0][0] == Shard(0)  # the batch on dp
+        assert op.inputs[1][1] in (Shard(0), Shard(1))  # the weight on tp
+
+
+def test_two_constraints_on_one_op_and_mesh_dim_are_refused():
+    yaml = TP_LINEARS + "  mesh_dim: tp\n" + TP_LINEARS
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh, pytest.raises(PolicyError) as info:
+        build_plan(Pair(F.relu), mesh, (torch.randn(2, 4, 8),), constraints=yaml)
+    assert str(info.value).startswith("<yaml> entry 1 (line 5): field 'name' got 'torch.nn.functional.linear'; "
+                                      "expected one constraint per op and mesh dim; ")
+    assert str(info.value).endswith("is already constrained on mesh dim 'tp' by <yaml> entry 0 (line 1)")
+
+
 def test_plan_prints_as_data_and_exports_yaml():
     import yaml
 
