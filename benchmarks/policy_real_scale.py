@@ -12,6 +12,23 @@ A case is MODEL:MESH (MESH as 8 or 2x4); --layers overrides the model's depth (e
 it). The memory budget is the bytes per rank that fully sharded bf16 training state (parameters, gradients and
 two Adam moments) would hold, times --budget (1.5), so that the plan must shard; --gap is build_plan's
 optimality_gap.
+
+Quality (--plans search tp fsdp): each case is planned once per plan, all under the same memory budget and priced
+by the same cost model, and each line gives the modelled step against the best of the case's plans:
+
+  search  the mesh only: the solver plans everything;
+  tp      torchtitan's Llama plan (TP with sequence parallel norms: q/k/v/gate/up column-parallel, o/down
+          row-parallel, embedding row-parallel, lm_head column-parallel, norms on the sequence dim) written as
+          torch ParallelStyles and read as constraints on 'tp' (the whole mesh when 1-D), and on a 2-D mesh every
+          linear data parallel on 'dp' (FSDP+TP: where parameters are held on 'dp' is the budget's and solver's);
+          for Mixtral the same on attention, embedding, norms and lm_head (its experts are not nn.Linear: the
+          solver places them);
+  fsdp    every linear data parallel on every mesh dim (the batch split over the whole mesh; parameters held
+          where the budget needs, gathered where read: FSDP).
+
+What a hand plan leaves open (the ops between its layers, where parameters are held on 'dp') is solved, so each
+hand plan's line is its best completion under the budget: a lower bound on the hand plan's own step. DP needs a
+batch the mesh divides: --batch 8 for these runs.
 """
 
 from __future__ import annotations
@@ -48,8 +65,48 @@ def _timed(module, name: str, spent: dict):
     setattr(module, name, wrapper)
 
 
+DATA_PARALLEL = """\
+- name: torch.nn.functional.linear
+  allowed_partition_dims: ["0,0"]
+  replica_allowed: false
+"""
+
+
+def hand_constraints(kind: str, model, ids, mesh) -> list | None:
+    """The constraints of plan `kind` (module docstring) for `model` on `mesh`; None for the search."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from dtensor_ext.policy.constraints import load_constraints
+    from dtensor_ext.policy.graph_view import trace_graph
+    from dtensor_ext.policy.style_dicts import read_style_dict
+
+    names = mesh.mesh_dim_names or ()
+    if kind == "search":
+        return None
+    if kind == "fsdp":
+        return [c for m in names or (None,) for c in load_constraints(
+            DATA_PARALLEL + (f"  mesh_dim: {m}\n" if m else ""))]
+    if kind != "tp":
+        raise SystemExit(f"--plans: unknown plan {kind!r}; expected search, tp or fsdp")
+    styles = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+              "model.norm": SequenceParallel(),
+              "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+              "model.layers.*.input_layernorm": SequenceParallel(),
+              "model.layers.*.post_attention_layernorm": SequenceParallel(),
+              "model.layers.*.self_attn.[qkv]_proj": ColwiseParallel(),
+              "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1))}
+    if hasattr(model.model.layers[0].mlp, "up_proj"):  # dense: torchtitan's feed-forward
+        styles.update({"model.layers.*.mlp.[gu][ap]*_proj": ColwiseParallel(),
+                       "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
+    found = read_style_dict(styles, trace_graph(model, (ids,), fake=True), mesh)
+    if "dp" in names:
+        found += load_constraints(DATA_PARALLEL + "  mesh_dim: dp\n")
+    return found
+
+
 def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, seq: int, budget: float,
-             gap: float) -> dict:
+             gap: float, plan_kind: str = "search") -> dict:
     import torch
     import transformers
 
@@ -77,16 +134,29 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
     _timed(adapter, "solve", spent)
     names = ("dp", "tp") if len(shape) == 2 else None
     with simulated_mesh(shape, mesh_dim_names=names) as mesh:
+        constraints = hand_constraints(plan_kind, model, ids, mesh)
+        spent.clear()
         start = time.perf_counter()
-        plan = build_plan(model, mesh, (ids,), memory_budget=int(state / world * budget), optimality_gap=gap)
+        plan = build_plan(model, mesh, (ids,), constraints=constraints, memory_budget=int(state / world * budget),
+                          optimality_gap=gap)
         total = time.perf_counter() - start
+        held = 0  # parameters, gradients and Adam's two moments, per rank, as the plan holds them
+        for name, placements in plan.params.items():
+            value = model.get_parameter(name)
+            pieces = 1
+            for m, p in enumerate(placements):
+                pieces *= shape[m] if p.is_shard() else 1
+            held += 4 * value.numel() * value.element_size() / pieces
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return dict(model=model_name, mesh=mesh_text, layers=config.num_hidden_layers, ops=len(plan.graph.nodes),
+    return dict(model=model_name, mesh=mesh_text, plan=plan_kind, layers=config.num_hidden_layers,
+                ops=len(plan.graph.nodes),
                 plan_s=round(total, 1), trace_s=round(spent.get("trace_graph", 0), 1),
                 candidates_s=round(spent.get("_derive", 0) - spent.get("solve", 0), 1),
                 highs_model_s=round(spent.get("_model", 0), 1),
                 highs_s=round(spent.get("solve", 0) - spent.get("_model", 0), 1),
-                peak_rss_gb=round(rss / 2**30, 2), cost_us=round(plan.cost_s * 1e6, 1), gap=round(plan.gap, 4))
+                peak_rss_gb=round(rss / 2**30, 2), cost_us=round(plan.cost_s * 1e6, 1), gap=round(plan.gap, 4),
+                state_gb_per_rank=round(held / 2**30, 2), budget_gb=round(state / world * budget / 2**30, 2),
+                collectives=len(plan.forward_collectives()) + len(plan.backward_collectives()))
 
 
 def main() -> None:
@@ -98,22 +168,32 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=1.5,
                         help="memory budget per rank, in units of the fully sharded training state")
     parser.add_argument("--gap", type=float, default=0.0001, help="build_plan's optimality_gap")
+    parser.add_argument("--plans", nargs="+", default=["search"], help="search, tp, fsdp (module docstring)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one case in this process (the child)
     args = parser.parse_args()
     if args.one:
-        model_name, mesh_text = args.one.split(":")
-        print(json.dumps(run_case(model_name, mesh_text, args.layers, args.batch, args.seq, args.budget, args.gap)))
+        model_name, mesh_text, plan_kind = args.one.split(":")
+        print(json.dumps(run_case(model_name, mesh_text, args.layers, args.batch, args.seq, args.budget, args.gap,
+                                  plan_kind)))
         return
     for case in args.cases:
-        command = [sys.executable, __file__, "--one", case, "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--budget", str(args.budget), "--gap", str(args.gap)]
-        if args.layers is not None:
-            command += ["--layers", str(args.layers)]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if done.returncode:
-            print(f"{case}: failed\n{done.stderr[-3000:]}")
-            continue
-        print(done.stdout.strip().splitlines()[-1])
+        rows = []
+        for plan_kind in args.plans:
+            command = [sys.executable, __file__, "--one", f"{case}:{plan_kind}", "--batch", str(args.batch),
+                       "--seq", str(args.seq), "--budget", str(args.budget), "--gap", str(args.gap)]
+            if args.layers is not None:
+                command += ["--layers", str(args.layers)]
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            if done.returncode:
+                print(f"{case} {plan_kind}: failed\n{done.stderr[-3000:]}")
+                continue
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        best = min((row["cost_us"] for row in rows), default=None)
+        for row in rows:
+            if len(args.plans) > 1:
+                row["vs_best"] = round(row["cost_us"] / best, 3)
+            print(json.dumps(row))
 
 
 if __name__ == "__main__":
