@@ -546,6 +546,10 @@ def _pricer(value: torch.Tensor, model, mesh: DeviceMesh, moves: dict):
     return price
 
 
+# the key in a `moves` cache under which _collectives keeps its step builders (one per value shape and dtype)
+_BUILDERS = object()
+
+
 def _move_s(mesh: DeviceMesh, value: torch.Tensor, model, moves: dict, src: tuple, dst: tuple) -> float | None:
     """The modelled time of DTensor's move of `value` from `src` to `dst`, cached in `moves`; None where DTensor
     cannot (into Partial, or a move its planner refuses)."""
@@ -556,7 +560,8 @@ def _move_s(mesh: DeviceMesh, value: torch.Tensor, model, moves: dict, src: tupl
     key = ((tuple(value.shape), value.dtype), src, dst)
     if key not in moves:
         try:
-            moves[key] = sum(step.time_s for step in _collectives(mesh, value, src, dst, model))
+            moves[key] = sum(step.time_s for step in _collectives(mesh, value, src, dst, model,
+                                                                  moves.setdefault(_BUILDERS, {})))
         except Exception:  # noqa: BLE001 - DTensor cannot plan this move: the pair is never chosen
             moves[key] = None
     return moves[key]
