@@ -170,6 +170,26 @@ class CandidateCache:
             self.cache[key] = found
         return self.cache[key]
 
+    def prove_all(self, node: OpNode, candidates: list[Candidate], param_operands: frozenset[int],
+                  grad_operands: frozenset[int]) -> list[Candidate | str]:
+        """`prove` for each of `candidates` (a proven one stands as it is), the combinations this process has not
+        proven yet run in one batch of fake runs (one fake copy of the operands, DTensor's caches cleared once)."""
+        keys = [None if c.proven else self._proof_key(node, c.inputs, param_operands, grad_operands)
+                for c in candidates]
+        missing = list(dict.fromkeys(c.inputs for c, key in zip(candidates, keys)
+                                     if not c.proven and (key is None or key not in self.cache)))
+        ran = dict(zip(missing, prove_combinations(node, self.mesh, missing, param_operands, grad_operands)
+                       if missing else ()))
+        found = []
+        for c, key in zip(candidates, keys):
+            if c.proven:
+                found.append(c)
+                continue
+            if key is not None and key not in self.cache:
+                self.cache[key] = ran[c.inputs]
+            found.append(ran[c.inputs] if key is None else self.cache[key])
+        return found
+
     def _proof_key(self, node: OpNode, combo: tuple, param_operands, grad_operands) -> tuple | None:
         return self._key(("mesh", tuple(self.mesh.shape), combo), 0, node, param_operands, grad_operands)
 

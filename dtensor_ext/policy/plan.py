@@ -234,10 +234,12 @@ def _forward_steps(moves: dict[int, list[tuple]], returned: dict[int, list]) -> 
     return [(step.kind, max(step.recv_bytes)) for step in steps]
 
 
-def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple, model=None) -> list:
+def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple, model=None,
+                 builders: dict | None = None) -> list:
     """The collectives DTensor runs to move ``value`` from ``src`` to ``dst``, each with the bytes every rank
     receives and its time under ``model`` (bound to the mesh; the ideal model by default): the package's reading
-    of torch's redistribution plan, ``redistribute.dtensor_plan``."""
+    of torch's redistribution plan, ``redistribute.dtensor_plan``. ``builders``: a dict in which the step builder
+    of each (shape, dtype, mesh, model) is kept, so that moves of one value share their layouts and exchanges."""
     from dtensor_ext import _compat
     from dtensor_ext.redistribute.dtensor_plan import dtensor_steps
     from dtensor_ext.redistribute.steps import StepBuilder
@@ -245,8 +247,13 @@ def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple, 
     meta = _compat.TensorMeta(value.shape, value.stride(), value.dtype)
     transforms = _compat.redistribution_transforms(_compat.view_layout_spec(mesh, src, meta),
                                                    _compat.DTensorSpec(mesh, dst, tensor_meta=meta))
-    builder = StepBuilder(tuple(value.shape), tuple(mesh.shape), value.dtype,
-                          model or IdealCostModel().bind(mesh.shape))
+    key = (tuple(value.shape), value.dtype, tuple(mesh.shape), id(model))
+    builder = None if builders is None else builders.get(key, (None,))[0]
+    if builder is None:
+        builder = StepBuilder(tuple(value.shape), tuple(mesh.shape), value.dtype,
+                              model or IdealCostModel().bind(mesh.shape))
+        if builders is not None:
+            builders[key] = builder, model  # the model kept alive, so that its id stays its own
     steps = dtensor_steps(builder, src, transforms, _compat.shard_to_shard_gathers(mesh))
     return [step for step in steps if step.kind != "local"]
 

@@ -35,6 +35,9 @@ class StepBuilder:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.coords = coordinates(mesh_shape)
         self.world = len(self.coords)
+        # distances[r][s]: the mesh dims on which ranks r and s differ (the nearest holder sends), one table per
+        # builder: a 64-rank move asks for thousands of them
+        self.distances = [[sum(x != y for x, y in zip(c, d)) for d in self.coords] for c in self.coords]
         self.layout = lru_cache(maxsize=None)(self._layout)
         self.exchange = lru_cache(maxsize=None)(self._exchange)
         # deterministic measure of planning effort (rank pairs examined), which bounds the planner's search
@@ -75,7 +78,7 @@ class StepBuilder:
                 self.work += 1
                 if block == own:
                     continue
-                src = min(ranks, key=lambda r: (self._distance(r, dst), r))
+                src = _nearest(ranks, self.distances[dst])
                 transfers.append(Transfer(src, dst, piece))
                 recv[dst] += count(piece) * self.itemsize
                 peers_in[dst].add(src)
@@ -118,7 +121,7 @@ class StepBuilder:
         return self.cost.collective_time(kind, mesh_dims, -(-most * n // (n - 1)))
 
     def _distance(self, r: int, s: int) -> int:
-        return sum(x != y for x, y in zip(self.coords[r], self.coords[s]))
+        return self.distances[r][s]
 
     def all_reduce(self, a: tuple[Placement, ...], mesh_dim: int) -> Step:
         return self.all_reduce_over(a, (mesh_dim,))
@@ -199,7 +202,7 @@ class StepBuilder:
                     for merger, chunk in zip(mergers, split_block(atom, len(mergers))):
                         own = tuple(self.coords[merger][j] for j in reduced)
                         sources = tuple(
-                            min(ranks, key=lambda r: (self._distance(r, merger), r))
+                            _nearest(ranks, self.distances[merger])
                             for key, ranks in sorted(pieces.items())
                             if key != own
                         )
@@ -227,6 +230,12 @@ class StepBuilder:
             if layout.local_numel(r):
                 out.setdefault(layout.blocks[r], []).append(r)
         return out
+
+
+def _nearest(ranks: list[int], distance: list[int]) -> int:
+    """The rank of `ranks` nearest by `distance` (one rank's row of StepBuilder.distances), the lowest on ties."""
+    best = min(map(distance.__getitem__, ranks))
+    return min(r for r in ranks if distance[r] == best)
 
 
 class _BlockIndex:
