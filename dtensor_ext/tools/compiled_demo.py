@@ -66,10 +66,10 @@ def compiled_job(rank: int, mesh_shape: tuple[int, ...], steps: int, dense: bool
         local_tokens = distribute_tensor(tokens, mesh, layout).to_local()
         local_targets = distribute_tensor(targets, mesh, layout).to_local()
         started = time.perf_counter()
-        with _gloo_events() as step:  # what the applied plan runs: the compiled forward and its backward
+        with _GlooEvents() as step:  # what the applied plan runs: the compiled forward and its backward
             loss = F.cross_entropy(compiled(local_tokens).flatten(0, 1), local_targets.flatten())
             loss.backward()
-        with _gloo_events() as averaged:  # the demo's own: DDP's gradient average over dp, outside the plan
+        with _GlooEvents() as averaged:  # the demo's own: DDP's gradient average over dp, outside the plan
             _average_gradients_over_dp(model, mesh)
         seconds = time.perf_counter() - started
         loss = loss.detach().clone()
@@ -89,7 +89,7 @@ def compiled_job(rank: int, mesh_shape: tuple[int, ...], steps: int, dense: bool
                 listed=dict(listed))
 
 
-class _gloo_events:
+class _GlooEvents:
     """The profiler's gloo events inside the block: calls and elements (the events' input shapes) per kind."""
 
     def __enter__(self):
