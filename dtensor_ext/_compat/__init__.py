@@ -64,5 +64,5 @@ from dtensor_ext._compat.compile import (  # noqa: F401
     aot_eager_with_joint_pass, custom_op_autotuning_api, dynamo_backend, fake_mode_of, fake_tensor_mode,
     inductor_cache_dir, inductor_custom_pass_api, inductor_joint_pass_slot, override_meta_kernel,
     process_groups_by_name, route_group_names, set_collective_choice_benchmark, size_hint, storage_key,
-    strided_offsets_on_plain_ints, swap_dynamo_backend, value_dependent_errors, wrap_inductor_entry,
+    strided_offsets_on_plain_ints, swap_dynamo_backend, value_dependent_errors, wrap_inductor_entry, called_in_graph,
 )

@@ -299,3 +299,13 @@ def custom_op_autotuning_api():
     from torch._inductor.kernel.custom_op import CustomOpConfig, register_custom_op_autotuning
 
     return register_custom_op_autotuning, CustomOpConfig
+
+
+def called_in_graph(fn: Callable) -> Callable:
+    """``fn`` as dynamo records it: one call in the graph, its body run when AOTAutograd traces that graph (and
+    eagerly outside torch.compile), not traced by dynamo. For a function that decides by its DTensor arguments'
+    placements inside an autograd.Function's backward: dynamo traces such a backward with gradients shaped like the
+    forward's outputs (a Replicate value's gradient as Replicate), so a decision made there bakes the guessed
+    placement into the graph, and a gradient that arrives Partial passes through unreduced. Recorded as a call,
+    ``fn`` runs again when AOTAutograd traces the joint graph with the gradients' real placements."""
+    return torch.compiler.allow_in_graph(fn)

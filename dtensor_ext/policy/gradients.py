@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from dtensor_ext._compat import called_in_graph
+
 __all__ = ["gradient_brought", "gradient_move", "gradient_target", "move_for_reading", "partial_groups",
            "read_in_group", "reduce_partial_gradient", "reduction_stops"]
 
@@ -53,6 +55,7 @@ def reduction_stops(held: tuple, partial_dims) -> list[tuple]:
     return [start, reduced] if reduced == whole else [start, reduced, whole]
 
 
+@called_in_graph  # it decides by the gradient's placements: under torch.compile, by the real ones (see _compat)
 def reduce_partial_gradient(grad: DTensor, placements) -> DTensor:
     """`grad`, Partial on some mesh dims, at `placements` (the value's own) by `reduction_stops`' route."""
     partial_dims = {d for d, p in enumerate(grad.placements) if p.is_partial()}
@@ -75,10 +78,13 @@ class _Move(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not isinstance(grad, DTensor):
-            return grad, None
-        back = gradient_target(ctx.held, tuple(grad.placements))
-        return (grad if tuple(grad.placements) == back else grad.redistribute(grad.device_mesh, list(back))), None
+        return (_gradient_back(grad, ctx.held) if isinstance(grad, DTensor) else grad), None
+
+
+@called_in_graph  # it decides by the gradient's placements: under torch.compile, by the real ones (see _compat)
+def _gradient_back(grad: DTensor, held: tuple) -> DTensor:
+    back = gradient_target(held, tuple(grad.placements))
+    return grad if tuple(grad.placements) == back else grad.redistribute(grad.device_mesh, list(back))
 
 
 def move_for_reading(value: DTensor, target) -> DTensor:
@@ -111,7 +117,9 @@ def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]
 
 class _GradientBrought(torch.autograd.Function):
     """The value itself (a view); backward hands the gradient summed over this view's readers to
-    `bring(grad, placements)`, a function torch.compile traces (a tensor hook on the value would break the graph)."""
+    `bring(grad, placements)` (not a tensor hook on the value, which would break torch.compile's graph). `bring`
+    decides by the gradient's placements, so under torch.compile it must be `called_in_graph`: dynamo traces this
+    backward with a gradient placed like the value, and would bake that guess into the graph."""
 
     @staticmethod
     def forward(ctx, value: DTensor, placements: tuple, bring):

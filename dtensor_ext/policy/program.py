@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtensor_ext._compat import pytree
+from dtensor_ext._compat import called_in_graph, pytree
 from dtensor_ext.policy.derive import operand_tensors
 from dtensor_ext.policy.enforce import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.errors import PolicyError
@@ -163,6 +163,7 @@ class _Step:
     hooked: tuple
 
 
+@called_in_graph  # it decides by the gradient's placements: under torch.compile, by the real ones (see _compat)
 def _at_planned_gradient(grad: DTensor, placements: tuple) -> DTensor:
     """enforce's `_planned_gradient` as `gradient_brought` calls it (the gradient itself where nothing changes)."""
     brought = _planned_gradient(list(placements), grad)

@@ -4,8 +4,9 @@ torch.compile cannot trace simulated ranks (LocalTensorMode) in torch 2.13, so t
 this command starts them (or torchrun did). The policy's plan is applied as a program (`parallelize(program=True)`:
 the trace replayed op by op, no TorchFunctionMode) and compiled with a backend that counts the graphs dynamo hands
 it, so graph breaks are counted, not assumed. The collectives come from the profiler's gloo events of what ran
-(CommDebugMode would make torch.compile run every frame eagerly). Every step is checked against the same model on
-one device, trained in lockstep in each rank.
+(CommDebugMode would make torch.compile run every frame eagerly): those of the forward and backward are compared,
+kind by kind, with what the plan lists; the demo's own gradient average over dp (DDP's) is counted apart. Every step
+is checked against the same model on one device, trained in lockstep in each rank.
 """
 
 from __future__ import annotations
@@ -65,25 +66,21 @@ def compiled_job(rank: int, mesh_shape: tuple[int, ...], steps: int, dense: bool
         local_tokens = distribute_tensor(tokens, mesh, layout).to_local()
         local_targets = distribute_tensor(targets, mesh, layout).to_local()
         started = time.perf_counter()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        with _GlooEvents() as step:  # what the applied plan runs: the compiled forward and its backward
             loss = F.cross_entropy(compiled(local_tokens).flatten(0, 1), local_targets.flatten())
             loss.backward()
+        with _GlooEvents() as averaged:  # the demo's own: DDP's gradient average over dp, outside the plan
             _average_gradients_over_dp(model, mesh)
         seconds = time.perf_counter() - started
+        loss = loss.detach().clone()
         if mesh.ndim == 2:
-            loss = loss.detach().clone()
             dist.all_reduce(loss, group=mesh.get_group("dp"))
             loss /= mesh.size(0)
-        collectives, elements = Counter(), Counter()
-        for event in prof.events():
-            if event.name.startswith("gloo:"):
-                kind = event.name.removeprefix("gloo:")
-                collectives[kind] += 1
-                elements[kind] += sum(math.prod(shape) for shape in event.input_shapes if shape)
         results.append(dict(loss=float(loss), loss_error=abs(float(loss) - ref_loss.item()),
                             grad_error=max(_max_error(p.grad, reference.get_parameter(n).grad)
                                            for n, p in model.named_parameters()),
-                            collectives=dict(collectives), elements=dict(elements), seconds=seconds))
+                            collectives=dict(step.collectives), elements=dict(step.elements),
+                            dp_collectives=dict(averaged.collectives), seconds=seconds))
         optimizer.step(), ref_optimizer.step()
         optimizer.zero_grad(), ref_optimizer.zero_grad()
     plan = model.policy_plan
@@ -92,9 +89,33 @@ def compiled_job(rank: int, mesh_shape: tuple[int, ...], steps: int, dense: bool
                 listed=dict(listed))
 
 
+class _GlooEvents:
+    """The profiler's gloo events inside the block: calls and elements (the events' input shapes) per kind."""
+
+    def __enter__(self):
+        self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        self.profile.__enter__()
+        self.collectives, self.elements = Counter(), Counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.profile.__exit__(*exc)
+        for event in self.profile.events():
+            if event.name.startswith("gloo:"):
+                kind = event.name.removeprefix("gloo:")
+                self.collectives[kind] += 1
+                self.elements[kind] += sum(math.prod(shape) for shape in event.input_shapes if shape)
+        return False
+
+
+def runs_as_listed(result: dict) -> bool:
+    """Every step ran, forward and backward, the collectives the plan lists, kind by kind."""
+    return all(step["collectives"] == result["listed"] for step in result["steps"])
+
+
 def run_compiled(mesh_shape: tuple[int, ...], steps: int, dense: bool, layers: int, seed: int, backend: str) -> int:
     """Run the compiled job on gloo ranks (torchrun's, or started here) and print rank 0's report; 0 when every step
-    equals one device and the plan compiled into one graph, 1 otherwise."""
+    equals one device and runs the collectives the plan lists, and the plan compiled into one graph, 1 otherwise."""
     started = time.perf_counter()
     world = math.prod(mesh_shape)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -113,7 +134,9 @@ def run_compiled(mesh_shape: tuple[int, ...], steps: int, dense: bool, layers: i
                            timeout_s=1800)[0]
     print(format_compiled(result, mesh_shape, dense, layers, backend, time.perf_counter() - started))
     ok = len(result["graphs"]) == 1 and all(s["loss_error"] < 1e-4 and s["grad_error"] < 1e-4 for s in result["steps"])
-    print("OK: one graph, matches one device" if ok else "FAILED: graph breaks or a mismatch against one device")
+    ok = ok and runs_as_listed(result)
+    print("OK: one graph, runs the collectives the plan lists, matches one device" if ok else
+          "FAILED: graph breaks, collectives other than the plan lists, or a mismatch against one device")
     return 0 if ok else 1
 
 
@@ -121,8 +144,9 @@ def format_compiled(result: dict, mesh_shape, dense: bool, layers: int, backend:
     steps = result["steps"]
     last = steps[-1]
     kind = "dense" if dense else "MoE (4 experts, top-2)"
-    collectives = ", ".join(f"{n} {k}" for k, n in sorted(last["collectives"].items())) or "none"
     elements = sum(last["elements"].values())
+    differ = [f"step {k + 1}: {_counts(s['collectives'])}" for k, s in enumerate(steps)
+              if s["collectives"] != result["listed"]]
     return "\n".join([
         f"{kind} Llama, {layers} layers: {len(steps)} AdamW steps on a {'x'.join(map(str, mesh_shape))} mesh of "
         f"gloo ranks, the plan applied as a program under torch.compile(backend={backend!r}) ({seconds:.1f} s)",
@@ -131,10 +155,15 @@ def format_compiled(result: dict, mesh_shape, dense: bool, layers: int, backend:
         f"  max |loss error| {max(s['loss_error'] for s in steps):.1e}, max |grad error| "
         f"{max(s['grad_error'] for s in steps):.1e} over {len(steps)} steps (loss {steps[0]['loss']:.3f} -> "
         f"{last['loss']:.3f}); plan deviations {result['deviations']}",
-        f"  per step (rank 0, the profiler's gloo events): {collectives}; {elements:,} elements into collectives "
-        "(the events' input shapes)",
-        f"  the plan lists per step on tp: {', '.join(f'{n} {k}' for k, n in sorted(result['listed'].items()))} "
-        f"(and the dp gradient average: 1 all_reduce where dp > 1)",
+        f"  the plan lists per step (forward and backward, on tp): {_counts(result['listed'])}",
+        f"  ran per step (rank 0, the profiler's gloo events, forward and backward): {_counts(last['collectives'])}"
+        f"; {elements:,} elements into collectives (the events' input shapes); "
+        + ("as listed in every step" if not differ else f"NOT as listed ({'; '.join(differ)})"),
+        f"  dp gradient average (the demo's own, DDP's bucketed all-reduce): {_counts(last['dp_collectives'])}",
         f"  last step {last['seconds'] * 1e3:.0f} ms (first, with compilation: {steps[0]['seconds']:.1f} s); "
         f"planning {result['planned_s']:.1f} s",
     ])
+
+
+def _counts(collectives: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(collectives.items())) or "none"

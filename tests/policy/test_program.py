@@ -92,8 +92,16 @@ def test_what_the_replay_cannot_run_is_refused_by_name(hf_llama_program):
         model(ids[:, :8])
 
 
+def _gloo_collectives(step) -> Counter:
+    """The gloo collectives `step()` ran, by kind (the profiler's events: also what compiled code runs)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return Counter(e.name.removeprefix("gloo:") for e in prof.events() if e.name.startswith("gloo:"))
+
+
 def _compiled_step(rank: int) -> dict:
-    """HF Llama on 2 gloo ranks: parallelize(program=True), torch.compile (aot_eager), one forward + backward."""
+    """HF Llama on 2 gloo ranks: parallelize(program=True), one forward + backward eagerly, then under torch.compile
+    (aot_eager); the collectives each ran, and the compiled step's values against one device."""
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -103,21 +111,32 @@ def _compiled_step(rank: int) -> dict:
     expected.square().mean().backward()
     mesh = init_device_mesh("cpu", (2,))
     parallelize(model, mesh, (ids,), constraints=HF_LINEARS, program=True)
+    plan = model.policy_plan
     graphs = []
 
     def counting(gm, example_inputs):
         graphs.append(gm)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
+    eager = _gloo_collectives(lambda: model(ids).logits.square().mean().backward())
+    model.zero_grad()
     torch._dynamo.reset()
-    out = torch.compile(model, backend=counting)(ids).logits
-    out.square().mean().backward()
-    return dict(graphs=len(graphs), logits=float((out - expected).abs().max()),
+    compiled, out = torch.compile(model, backend=counting), []
+    ran = _gloo_collectives(lambda: out.append(compiled(ids).logits) or out[0].square().mean().backward())
+    return dict(graphs=len(graphs), logits=float((out[0] - expected).abs().max()),
                 grads=max(float((p.grad.full_tensor() - q.grad).abs().max())
-                          for p, q in zip(model.parameters(), reference.parameters())))
+                          for p, q in zip(model.parameters(), reference.parameters())),
+                eager=eager, compiled=ran, grads_partial=[n for n, p in model.named_parameters()
+                                                           if any(x.is_partial() for x in p.grad.placements)],
+                listed=Counter(kind for kind, _ in (*plan.forward_collectives(), *plan.backward_collectives())))
 
 
 def test_the_replayed_plan_compiles_into_one_graph_on_gloo_ranks():
+    """One graph, equal to one device, and running, eager and compiled, the collectives the plan lists (under
+    torch.compile the backward once reduced Partial gradients where DTensor met them, not where the plan does)."""
     for rank, result in run_ranks(_compiled_step, world=2, timeout_s=400).items():
         assert result["graphs"] == 1, (rank, result)  # one graph: no graph break
         assert result["logits"] < 1e-5 and result["grads"] < 1e-4, (rank, result)
+        assert result["listed"]["all_reduce"], result  # the plan reduces gradients: a case that tells
+        assert result["eager"] == result["listed"] and result["compiled"] == result["listed"], (rank, result)
+        assert not result["grads_partial"], (rank, result)
