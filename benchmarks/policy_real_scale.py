@@ -72,13 +72,13 @@ DATA_PARALLEL = """\
 """
 
 
-def hand_constraints(kind: str, model, ids, mesh) -> list | None:
-    """The constraints of plan `kind` (module docstring) for `model` on `mesh`; None for the search."""
+def hand_constraints(kind: str, model, graph, mesh) -> list | None:
+    """The constraints of plan `kind` (module docstring) for `model` (traced as `graph`, outside the simulated
+    mesh) on `mesh`; None for the search."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     from dtensor_ext.policy.constraints import load_constraints
-    from dtensor_ext.policy.graph_view import trace_graph
     from dtensor_ext.policy.style_dicts import read_style_dict
 
     names = mesh.mesh_dim_names or ()
@@ -99,20 +99,21 @@ def hand_constraints(kind: str, model, ids, mesh) -> list | None:
     if hasattr(model.model.layers[0].mlp, "up_proj"):  # dense: torchtitan's feed-forward
         styles.update({"model.layers.*.mlp.[gu][ap]*_proj": ColwiseParallel(),
                        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
-    found = read_style_dict(styles, trace_graph(model, (ids,), fake=True), mesh)
+    found = read_style_dict(styles, graph, mesh)
     if "dp" in names:
         found += load_constraints(DATA_PARALLEL + "  mesh_dim: dp\n")
     return found
 
 
 def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, seq: int, budget: float,
-             gap: float, plan_kind: str = "search") -> dict:
+             gap: float, plan_kind: str = "search", budget_gb: float | None = None) -> dict:
     import torch
     import transformers
 
     import dtensor_ext  # noqa: F401
     from dtensor_ext.policy import adapter, build_plan
     from dtensor_ext.policy import solve as solve_module
+    from dtensor_ext.policy.graph_view import trace_graph
     from dtensor_ext.testing import simulated_mesh
 
     config_name, sizes = MODELS[model_name]
@@ -127,17 +128,19 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
     for n in shape:
         world *= n
     state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
+    budget_bytes = int(budget_gb * 2**30) if budget_gb else int(state / world * budget)
     spent: dict[str, float] = {}
     _timed(adapter, "trace_graph", spent)
     _timed(adapter, "_derive", spent)
     _timed(solve_module, "_model", spent)
     _timed(adapter, "solve", spent)
     names = ("dp", "tp") if len(shape) == 2 else None
+    graph = trace_graph(model, (ids,), fake=True) if plan_kind == "tp" else None
     with simulated_mesh(shape, mesh_dim_names=names) as mesh:
-        constraints = hand_constraints(plan_kind, model, ids, mesh)
+        constraints = hand_constraints(plan_kind, model, graph, mesh)
         spent.clear()
         start = time.perf_counter()
-        plan = build_plan(model, mesh, (ids,), constraints=constraints, memory_budget=int(state / world * budget),
+        plan = build_plan(model, mesh, (ids,), constraints=constraints, memory_budget=budget_bytes,
                           optimality_gap=gap)
         total = time.perf_counter() - start
         held = 0  # parameters, gradients and Adam's two moments, per rank, as the plan holds them
@@ -155,7 +158,7 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
                 highs_model_s=round(spent.get("_model", 0), 1),
                 highs_s=round(spent.get("solve", 0) - spent.get("_model", 0), 1),
                 peak_rss_gb=round(rss / 2**30, 2), cost_us=round(plan.cost_s * 1e6, 1), gap=round(plan.gap, 4),
-                state_gb_per_rank=round(held / 2**30, 2), budget_gb=round(state / world * budget / 2**30, 2),
+                state_gb_per_rank=round(held / 2**30, 2), budget_gb=round(budget_bytes / 2**30, 2),
                 collectives=len(plan.forward_collectives()) + len(plan.backward_collectives()))
 
 
@@ -167,6 +170,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--budget", type=float, default=1.5,
                         help="memory budget per rank, in units of the fully sharded training state")
+    parser.add_argument("--budget-gb", type=float, help="memory budget per rank in GiB (instead of --budget)")
     parser.add_argument("--gap", type=float, default=0.0001, help="build_plan's optimality_gap")
     parser.add_argument("--plans", nargs="+", default=["search"], help="search, tp, fsdp (module docstring)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one case in this process (the child)
@@ -174,13 +178,15 @@ def main() -> None:
     if args.one:
         model_name, mesh_text, plan_kind = args.one.split(":")
         print(json.dumps(run_case(model_name, mesh_text, args.layers, args.batch, args.seq, args.budget, args.gap,
-                                  plan_kind)))
+                                  plan_kind, args.budget_gb)))
         return
     for case in args.cases:
         rows = []
         for plan_kind in args.plans:
             command = [sys.executable, __file__, "--one", f"{case}:{plan_kind}", "--batch", str(args.batch),
                        "--seq", str(args.seq), "--budget", str(args.budget), "--gap", str(args.gap)]
+            if args.budget_gb is not None:
+                command += ["--budget-gb", str(args.budget_gb)]
             if args.layers is not None:
                 command += ["--layers", str(args.layers)]
             done = subprocess.run(command, capture_output=True, text=True,

@@ -38,7 +38,8 @@ def _params_read(graph, node) -> list[str]:
         by_object: dict[int, list[str]] = {}
         for name, p in graph.model.named_parameters(remove_duplicate=False):
             by_object.setdefault(id(p), []).append(name)
-        _PATHS[graph] = {tid: by_object.get(id(graph.tensors[tid]), [fqn]) for tid, fqn in graph.params.items()}
+        _PATHS[graph] = {tid: by_object.get(id(graph.model.get_parameter(fqn)), [fqn])
+                         for tid, fqn in graph.params.items()}
     return [path for t in node.operand_ids for path in _PATHS[graph].get(t, ())]
 
 
@@ -110,7 +111,8 @@ def param_shard_constraints(graph, where: str, scope: str, params, dims: dict[st
     """Every op of the parameter's module that reads one of ``params`` (concrete paths, all matched by the glob
     ``scope``) reads it sharded on ``dims[param]``, and the parameter is held there: one Constraint per (op name,
     input index, dim), scoped by ``scope``. (A tied parameter's other modules read it as their own entries say.)"""
-    ids = {id(graph.tensors[tid]): tid for tid in graph.params}  # by object: a tied parameter has one path there
+    # by the model's parameter object (a tied parameter has one path in the trace; a fake trace holds fake copies)
+    ids = {id(graph.model.get_parameter(fqn)): tid for tid, fqn in graph.params.items()}
     found: dict[tuple, Constraint] = {}
     for fqn in params:
         value = graph.model.get_parameter(fqn)

@@ -185,3 +185,25 @@ def test_tied_embeddings_take_one_placement(mesh_1d2):
         "expected one placement for model.embed_tokens.weight on mesh dim 0; tp_plan['embed_tokens'] = "
         "'embedding_colwise' (weight Shard(1)): %0 torch.nn.functional.embedding in model.embed_tokens "
         "[self.embed_tokens(input_ids)] holds it at S(1)")
+
+
+def test_plans_read_alike_from_a_model_on_the_meta_device(mesh_1d2):
+    """A fake trace holds fake copies of the parameters: the style dict and Hugging Face's plan still find each
+    parameter by its path (the same placements as from the materialized model), and a tied table is still one."""
+    config = LlamaConfig(n_layers=1)
+    tokens = torch.randint(0, config.vocab_size, (2, 8))
+    with torch.device("meta"):
+        meta_llama = TinyLlama(config)
+    plans = [build_plan(model, mesh_1d2, (tokens,), constraints=torchtitan_plan(config))
+             for model in (TinyLlama(config), meta_llama)]
+    assert plans[1].params == plans[0].params and plans[1].params["tok_embeddings.weight"] == (Shard(0),)
+
+    with torch.device("meta"):
+        tied = hf_zoo.tiny_model("llama", use_cache=False, tie_word_embeddings=True)
+    with pytest.raises(PolicyError) as info:
+        build_plan(tied, mesh_1d2, (hf_zoo.sample_batch()[0],),
+                   constraints={"embed_tokens": "embedding_colwise", "lm_head": "colwise"})
+    assert str(info.value).endswith(
+        "expected one placement for model.embed_tokens.weight on mesh dim 0; tp_plan['embed_tokens'] = "
+        "'embedding_colwise' (weight Shard(1)): %0 torch.nn.functional.embedding in model.embed_tokens "
+        "[self.embed_tokens(input_ids)] holds it at S(1)")
