@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
+from dtensor_ext.testing.ranks import rank_context
+
 
 def _run_without_teardown(rank: int, rank_main: Callable[[int, str], None], init_file: str) -> None:
     rank_main(rank, init_file)
@@ -19,4 +21,6 @@ def _run_without_teardown(rank: int, rank_main: Callable[[int, str], None], init
 
 def spawn_ranks(rank_main: Callable[[int, str], None], world: int, tmp_path) -> None:
     """Run the module-level `rank_main(rank, init_file)` on `world` processes rendezvousing through a file."""
-    mp.spawn(_run_without_teardown, args=(rank_main, str(tmp_path / "rendezvous")), nprocs=world, join=True)
+    rank_context()  # the fork server's preloads
+    mp.start_processes(_run_without_teardown, args=(rank_main, str(tmp_path / "rendezvous")), nprocs=world,
+                       join=True, start_method="forkserver")

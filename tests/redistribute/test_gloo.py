@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dtensor_ext.testing.ranks import rank_context
+
 CASES = [
     ((2, 2), (5, 7), "S0,S1", "S1,S0"),
     ((2, 2), (6, 5), "P(sum),S0", "S0,S1"),
@@ -100,7 +102,8 @@ def _any_mesh_through_dtensor(rank: int) -> None:
 
 
 def test_executor_on_four_gloo_ranks():
-    mp.start_processes(_worker, args=(4, _free_port()), nprocs=4, join=True, start_method="spawn")
+    rank_context()
+    mp.start_processes(_worker, args=(4, _free_port()), nprocs=4, join=True, start_method="forkserver")
 
 
 def _send_recv_worker(rank: int, world: int, port: int, calibration: str) -> None:
@@ -142,7 +145,9 @@ def test_calibrated_send_recv_replaces_all_to_all_on_four_gloo_ranks(tmp_path):
     path = tmp_path / "calibration.json"
     choice = Choice("send_recv", 1e-4, False, None)
     write_calibration_entry(path, "gloo/cpu/mesh=2x2/float32", CalibrationEntry({}, {"all_to_all/mesh_dims=1/bytes=4096": choice}))
-    mp.start_processes(_send_recv_worker, args=(4, _free_port(), str(path)), nprocs=4, join=True, start_method="spawn")
+    rank_context()
+    mp.start_processes(_send_recv_worker, args=(4, _free_port(), str(path)), nprocs=4, join=True,
+                       start_method="forkserver")
 
 
 # (mesh shape, mesh dim names, tensor shape, src, dst): the planner's moves on real ranks, where torch's differ
@@ -205,4 +210,5 @@ def _eight_rank_worker(rank: int, world: int, port: int) -> None:
 def test_planner_runs_its_plan_and_beats_torch_on_eight_gloo_ranks():
     """On real ranks the planner's collectives are the plan's (one flattened all_to_all over several mesh dims,
     dim names or not), carrying Plan.recv_bytes, and fewer, with fewer bytes, than torch's for the same move."""
-    mp.start_processes(_eight_rank_worker, args=(8, _free_port()), nprocs=8, join=True, start_method="spawn")
+    rank_context()
+    mp.start_processes(_eight_rank_worker, args=(8, _free_port()), nprocs=8, join=True, start_method="forkserver")
