@@ -21,7 +21,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -306,12 +306,15 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, list[Req
     """Each op's candidates on the whole mesh (combinations of its per-dim candidates, filtered by the
     constraints), one exact solve over all of them (every mesh dim at once), then the per-op placements.
 
-    Every combination is proven by a fake run on the whole mesh before the solve, replaced by what DTensor did
-    there (or dropped where DTensor refuses it): the model HiGHS solves holds proven candidates only, so the plan's
-    cost and the gap HiGHS proved are about the model of the plan returned. (Proving only the picks and solving
-    again, round after round, proved a gap against a model the next round changed: at a 2% gap on Llama-3-8B 8x8
-    the final plan's modelled step was 54% above the optimum.) Proofs are cached per distinct op, shapes and
-    arguments, so repeated layers prove theirs once."""
+    A combination not yet proven enters the solve as its parts predict it; each one the solve picks is then
+    proven by a fake run on the whole mesh, replaced by what DTensor did (or dropped where DTensor refuses it),
+    and the model solved again until every pick is proven: the plan uses proven combinations only, and with the
+    default gap it is optimal among them and the predictions of the combinations it did not pick. A looser
+    ``optimality_gap`` proves every combination first (cached per distinct op, shapes and arguments, so repeated
+    layers prove theirs once): proving only the picks, a gap proven in one round was about a model the next round
+    changed (Llama-3-8B on 8x8 at 2%: a modelled step 54% above the optimum), so the gap a plan reports is proven
+    against the model of the plan returned. The default does not prove everything: on 2x2 it made TinyLlama's
+    planning 3-5x slower (most combinations are never picked)."""
     cache = CandidateCache(mesh)
     producers: dict[int, tuple[int, int]] = {}
     for node in graph.nodes:
@@ -334,24 +337,33 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, list[Req
     # pricing runs torch's redistribution planner on plain tensors; its warnings about the moves it finds
     # suboptimal are about moves merely priced here
     with outside_simulated_ranks(), quiet_redistribute_warnings():
-        for node in graph.nodes:
-            v = node.index
-            if all(c.proven for c in candidates[v]):
-                continue
-            # every combination the solve may pick, proven on the whole mesh before it: the model solved is the
-            # one whose optimum (and gap) the plan reports. Repeated layers ask for the same proofs (cached)
-            proofs = cache.prove_all(node, candidates[v], *found[v][2])
-            kept = [c for c in proofs if isinstance(c, Candidate)]
-            if not kept:  # DTensor refuses every combination: the op runs replicated, if it may
-                strict = next((r for r in requirements.get(v, []) if not r.replica_allowed), None)
-                if is_inplace(node) or strict is not None:
-                    raise _no_combination(node, strict, mesh, candidates[v][-1], proofs[-1])
-                local.add(v)
-                kept = [_replicated_candidate(node, found[v][1].saved, mesh.ndim)]
-            candidates[v] = kept
-        problem, source_rows = _problem(graph, mesh, candidates, [w for _, w, _ in found], sources, producers,
-                                        model, moves, memory_budget, share_layers, pins)
-        picks, cost, gap = solve(problem, "build_plan", optimality_gap)
+        if optimality_gap > EXACT:
+            for node in graph.nodes:
+                if not all(c.proven for c in candidates[node.index]):
+                    _prove(node, cache.prove_all(node, candidates[node.index], *found[node.index][2]), candidates,
+                           requirements, local, found[node.index][1].saved, mesh, candidates[node.index][-1])
+        while True:
+            problem, source_rows = _problem(graph, mesh, candidates, [w for _, w, _ in found], sources, producers,
+                                            model, moves, memory_budget, share_layers, pins)
+            picks, cost, gap = solve(problem, "build_plan", optimality_gap)
+            pending = [node for node in graph.nodes if not candidates[node.index][picks[node.index]].proven]
+            changed = False
+            for node in pending:
+                v, k = node.index, picks[node.index]
+                proof = cache.prove(node, candidates[v][k], *found[v][2])
+                if isinstance(proof, Candidate):
+                    # a proof that is its prediction leaves the model as it was: the picks stay optimal
+                    changed |= proof != replace(candidates[v][k], proven=True)
+                    candidates[v][k] = proof
+                    continue
+                changed = True
+                refused = candidates[v].pop(k)
+                # the op's parts do not predict it on the whole mesh: prove all its combinations now, rather than
+                # one refusal per solve
+                _prove(node, cache.prove_all(node, candidates[v], *found[v][2]), candidates, requirements, local,
+                       found[v][1].saved, mesh, refused, proof)
+            if not changed:
+                break
     params = {graph.params[tid]: problem.options[source_rows[tid]][picks[source_rows[tid]]][1][0]
               for tid in sources if tid in graph.params}
     ops = []
@@ -367,6 +379,21 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, list[Req
                                 f"{_fmt(here)} -> {_fmt(op.inputs[slot])}")
         ops.append(op)
     return ops, params, cost, shared_layers(graph, problem.same_as), gap
+
+
+def _prove(node: OpNode, proofs: list, candidates: list[list[Candidate]], requirements: dict, local: set[int],
+           saved: int, mesh: DeviceMesh, refused: Candidate, why: str | None = None) -> None:
+    """Keep the op's proven combinations (`proofs`: a Candidate or DTensor's refusal for each); where DTensor
+    refuses every one, the op runs replicated if it may (else the PolicyError says which constraint cannot hold)."""
+    v = node.index
+    candidates[v] = [c for c in proofs if isinstance(c, Candidate)]
+    if candidates[v]:
+        return
+    strict = next((r for r in requirements.get(v, []) if not r.replica_allowed), None)
+    if is_inplace(node) or strict is not None:
+        raise _no_combination(node, strict, mesh, refused, why if why is not None else proofs[-1])
+    local.add(v)
+    candidates[v] = [_replicated_candidate(node, saved, mesh.ndim)]
 
 
 def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate]], work: list[NodeOptions],
