@@ -17,12 +17,12 @@ Quality (--plans search tp fsdp): each case is planned once per plan, all under 
 by the same cost model, and each line gives the modelled step against the best of the case's plans:
 
   search  the mesh only: the solver plans everything;
-  tp      torchtitan's Llama plan (TP with sequence parallel norms: q/k/v/gate/up column-parallel, o/down
-          row-parallel, embedding row-parallel, lm_head column-parallel, norms on the sequence dim) written as
-          torch ParallelStyles and read as constraints on 'tp' (the whole mesh when 1-D), and on a 2-D mesh every
-          linear data parallel on 'dp' (FSDP+TP: where parameters are held on 'dp' is the budget's and solver's);
-          for Mixtral the same on attention, embedding, norms and lm_head (its experts are not nn.Linear: the
-          solver places them);
+  tp      torchtitan's Llama TP plan (q/k/v/gate/up column-parallel, o/down row-parallel with sequence-sharded
+          outputs, embedding row-parallel, lm_head column-parallel; its SequenceParallel norms left to the solver)
+          written as torch ParallelStyles and read as constraints on 'tp' (the whole mesh when 1-D), and on a 2-D
+          mesh every linear data parallel on 'dp' (FSDP+TP: where parameters are held on 'dp' is the budget's and
+          the solver's); for Mixtral the same on attention, embedding and lm_head (its experts are not nn.Linear:
+          the solver places them);
   fsdp    every linear data parallel on every mesh dim (the batch split over the whole mesh; parameters held
           where the budget needs, gathered where read: FSDP).
 
@@ -76,7 +76,7 @@ def hand_constraints(kind: str, model, graph, mesh) -> list | None:
     """The constraints of plan `kind` (module docstring) for `model` (traced as `graph`, outside the simulated
     mesh) on `mesh`; None for the search."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from dtensor_ext.policy.constraints import load_constraints
     from dtensor_ext.policy.style_dicts import read_style_dict
@@ -89,11 +89,11 @@ def hand_constraints(kind: str, model, graph, mesh) -> list | None:
             DATA_PARALLEL + (f"  mesh_dim: {m}\n" if m else ""))]
     if kind != "tp":
         raise SystemExit(f"--plans: unknown plan {kind!r}; expected search, tp or fsdp")
+    # the norms' SequenceParallel is left out: a bf16 Hugging Face RMSNorm reads its input with a `.to` that its
+    # output's `.to` shares a name with, which a style dict cannot scope (the refusal says so); the solver
+    # chooses the norms' placements, sequence-sharded where that is cheaper
     styles = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-              "model.norm": SequenceParallel(),
               "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-              "model.layers.*.input_layernorm": SequenceParallel(),
-              "model.layers.*.post_attention_layernorm": SequenceParallel(),
               "model.layers.*.self_attn.[qkv]_proj": ColwiseParallel(),
               "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1))}
     if hasattr(model.model.layers[0].mlp, "up_proj"):  # dense: torchtitan's feed-forward
