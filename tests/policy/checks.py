@@ -40,3 +40,24 @@ def assert_applied_plan_matches(model, reference, mesh, x, plan):
     out.square().sum().backward()
     for name, p in model.named_parameters():
         assert_every_rank_matches(p.grad.full_tensor(), dict(reference.named_parameters())[name].grad)
+
+
+def recorded_problems(monkeypatch) -> list:
+    """The problems build_plan hands its solver from now on (the solver still solves them)."""
+    from dtensor_ext.policy import adapter
+
+    problems, real = [], adapter.solve
+
+    def recorded(problem, where, *gap):
+        problems.append(problem)
+        return real(problem, where, *gap)
+
+    monkeypatch.setattr(adapter, "solve", recorded)
+    return problems
+
+
+def differentiable_slots(plan, node, differentiated: set) -> tuple[frozenset, frozenset]:
+    """The op's parameter operand slots and the slots backward reaches (what its proofs are keyed by)."""
+    params = frozenset(k for k, t in enumerate(node.operand_ids) if t in plan.graph.params)
+    grads = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
+    return params, grads

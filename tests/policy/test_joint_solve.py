@@ -13,7 +13,7 @@ from dtensor_ext.policy.adapter import STATE_COPIES, _differentiated
 from dtensor_ext.policy.derive import Candidate, CandidateCache, prove_combinations
 from dtensor_ext.policy.graph_view import trace_graph
 from dtensor_ext.testing import simulated_mesh
-from tests.policy.checks import assert_applied_plan_matches
+from tests.policy.checks import assert_applied_plan_matches, differentiable_slots, recorded_problems
 
 
 class EagerAttention(nn.Module):
@@ -46,9 +46,7 @@ def _assert_every_choice_proven(plan, mesh):
         if op.local:
             continue
         node = op.node
-        params = frozenset(k for k, t in enumerate(node.operand_ids) if t in plan.graph.params)
-        grads = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
-        proof = prove_combinations(node, mesh, [op.inputs], params, grads)[0]
+        proof = prove_combinations(node, mesh, [op.inputs], *differentiable_slots(plan, node, differentiated))[0]
         assert isinstance(proof, Candidate), f"{node}: {op.inputs} -> {proof}"
         assert proof.outputs == op.outputs
 
@@ -144,22 +142,14 @@ def test_each_mesh_dims_1d_mesh_is_made_once_per_cache():
 
 def test_the_reported_gap_holds_against_the_model_of_the_plan_returned(monkeypatch):
     """Eager attention with batch 2 on 2x2: each dim alone runs q k^T with heads sharded, so its parts predict the
-    combination heads on both dims, which DTensor refuses on the whole mesh. Every combination is proven before the
-    one solve, so the model HiGHS solves holds only what DTensor runs there (each option of every op proven, with
-    the outputs it lists), and the gap the plan reports (at a loose optimality_gap) holds against that model: no
-    plan of it costs less than cost x (1 - gap). Before, the picks were proven after each solve and the model
-    solved again, and the gap reported was one a former round's model had."""
-    from dtensor_ext.policy import adapter
+    combination heads on both dims, which DTensor refuses on the whole mesh. At a looser optimality_gap every
+    combination is proven before the one solve, so the model HiGHS solves holds only what DTensor runs there (each
+    option of every op proven, with the outputs it lists), and the gap the plan reports holds against that model:
+    no plan of it costs less than cost x (1 - gap). Proving only the picks and solving again, the gap reported was
+    one a former round's model had."""
     from dtensor_ext.policy.solve import EXACT, solve
 
-    problems = []
-
-    def kept(problem, where, *gap):
-        problems.append(problem)
-        return real(problem, where, *gap)
-
-    real = adapter.solve
-    monkeypatch.setattr(adapter, "solve", kept)
+    problems = recorded_problems(monkeypatch)
     torch.manual_seed(0)
     model, x = EagerAttention(), torch.randn(2, 3, 12)
     with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
@@ -172,10 +162,9 @@ def test_the_reported_gap_holds_against_the_model_of_the_plan_returned(monkeypat
             if op.local:
                 continue
             node = op.node
-            params = frozenset(k for k, t in enumerate(node.operand_ids) if t in plan.graph.params)
-            grads = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
             options = problem.options[node.index]
-            proofs = prove_combinations(node, mesh, [o[0] for o in options], params, grads)
+            proofs = prove_combinations(node, mesh, [o[0] for o in options],
+                                        *differentiable_slots(plan, node, differentiated))
             assert all(isinstance(p, Candidate) and p.outputs == o[1] for p, o in zip(proofs, options)), node
             if node.signature == "torch.matmul":
                 offered += len(options)
