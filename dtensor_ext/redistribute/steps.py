@@ -120,9 +120,6 @@ class StepBuilder:
         n = self._group_size(mesh_dims)
         return self.cost.collective_time(kind, mesh_dims, -(-most * n // (n - 1)))
 
-    def _distance(self, r: int, s: int) -> int:
-        return self.distances[r][s]
-
     def all_reduce(self, a: tuple[Placement, ...], mesh_dim: int) -> Step:
         return self.all_reduce_over(a, (mesh_dim,))
 
