@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -161,10 +162,18 @@ def active_mode() -> LocalTensorMode:
     return mode
 
 
+# mesh -> {rank: coordinate}: under a simulated mesh, `mesh.mesh` is built and each element read by ops that run
+# once per rank, and place_dtensor asks for every tensor it places (two thirds of a layout matrix's time)
+_COORDINATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
-    """Each global rank's coordinate on the mesh."""
-    layout = mesh.mesh
-    return {int(layout[idx]): idx for idx in _indices(tuple(layout.shape))}
+    """Each global rank's coordinate on the mesh (a copy: the caller may change it)."""
+    found = _COORDINATES.get(mesh)
+    if found is None:
+        ranks = mesh.mesh.flatten().tolist()
+        found = _COORDINATES[mesh] = dict(zip(ranks, _indices(tuple(mesh.shape)), strict=True))
+    return dict(found)
 
 
 def _indices(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
