@@ -382,20 +382,28 @@ def _missing_combinations(sample: _Sample, rows, n_out, mesh_shape, coords, layo
     with_partial = math.prod(len(_candidates(t, True)) for t in sample.tensors) <= 4096
     per_input = [_candidates(t, with_partial) for t in sample.tensors]
     missing = []
+    placed: dict = {}  # each input's pieces under each placement, placed once for every combination
     for inputs in itertools.product(*per_input):
         if inputs in listed_inputs or all(isinstance(p, Replicate) for p in inputs):
             continue
-        outputs = _valid_outputs(sample, inputs, mesh_shape, coords, layout)
+        outputs = _valid_outputs(sample, inputs, mesh_shape, coords, layout, placed)
         if outputs is not None:
             missing.append(Combination(tuple((p,) for p in inputs), tuple((p,) for p in outputs)))
     return missing
 
 
-def _valid_outputs(sample: _Sample, inputs, mesh_shape, coords, layout) -> tuple[Placement, ...] | None:
-    """For 1-D input placements, one valid placement per output (preferring Shard, then Replicate), or None."""
+def _valid_outputs(sample: _Sample, inputs, mesh_shape, coords, layout,
+                   placed: dict | None = None) -> tuple[Placement, ...] | None:
+    """For 1-D input placements, one valid placement per output (preferring Shard, then Replicate), or None.
+    `placed` keeps each (input, placement)'s pieces between calls; each run gets copies (an op may write them)."""
+    placed = {} if placed is None else placed
     try:
-        per_input = [place(t, (p,), mesh_shape, coords, salt=i) for i, (t, p) in enumerate(zip(sample.tensors, inputs))]
-        outs = {rank: sample.run_on_rank([pieces[rank] for pieces in per_input]) for rank in coords}
+        per_input = []
+        for i, (t, p) in enumerate(zip(sample.tensors, inputs)):
+            if (i, p) not in placed:
+                placed[i, p] = place(t, (p,), mesh_shape, coords, salt=i)
+            per_input.append(placed[i, p])
+        outs = {rank: sample.run_on_rank([pieces[rank].clone() for pieces in per_input]) for rank in coords}
     except Exception:  # an input placement the op cannot run on is simply not a candidate
         return None
     if any(_output_structure(o) != _output_structure(sample.expected) for o in outs.values()):

@@ -45,9 +45,10 @@ def _plain_pattern(shape: tuple[int, ...], salt: int, period: int) -> torch.Tens
     return (sum(grids) + salt) % period
 
 
-def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, salt: int) -> torch.Tensor:
+def _split_partial(value: torch.Tensor, reduce_op: str, parts: int, salt: int) -> list[torch.Tensor]:
+    """The `parts` pieces (one per coordinate on the mesh dim) that reduce to `value` under `reduce_op`."""
     if parts == 1:
-        return value.clone()
+        return [value.clone()]
     if value.dtype == torch.bool:
         raise NotImplementedError("Partial placements of bool tensors are not defined")
     floating = value.is_floating_point() or value.is_complex()
@@ -57,24 +58,24 @@ def _split_partial(value: torch.Tensor, reduce_op: str, coord: int, parts: int, 
         if floating:
             head = 0.6 + 0.1 * (salt % 3)
             offset = (value.abs() + 1) * (1 - 2 * _pattern(tuple(value.shape), salt)).to(value)
-            if coord == 0:
-                piece = value * head + offset
-            else:
-                piece = value * ((1 - head) / (parts - 1)) - offset / (parts - 1)
+            first = value * head + offset
+            rest = value * ((1 - head) / (parts - 1)) - offset / (parts - 1)
         else:
             offset = (1 - 2 * _pattern(tuple(value.shape), salt)).to(value) * (salt % 3 + 1)
-            piece = value - offset * (parts - 1) if coord == 0 else offset.expand(value.shape).clone()
-        return piece * parts if reduce_op == "avg" else piece
+            first = value - offset * (parts - 1)
+            rest = offset.expand(value.shape).clone()
+        pieces = [first] + [rest] * (parts - 1)  # place() copies each rank's piece
+        return [piece * parts for piece in pieces] if reduce_op == "avg" else pieces
     if reduce_op in ("max", "min"):
         if value.is_complex():
             raise NotImplementedError("Partial(max/min) of a complex tensor is not defined")
         if value.numel() == 0:
-            return value.clone()
+            return [value.clone() for _ in range(parts)]
         span = (value.max() - value.min()).abs() * 2 + 1
-        far = value - span if reduce_op == "max" else value + span
+        far = (value - span if reduce_op == "max" else value + span).to(value.dtype)
         # the rank that holds the true value differs per element, so index-returning ops see disagreeing ranks
         holder = _pattern(tuple(value.shape), salt, parts).to(value.device)
-        return torch.where(holder == coord, value, far.to(value.dtype))
+        return [torch.where(holder == coord, value, far) for coord in range(parts)]
     raise NotImplementedError(f"Partial({reduce_op!r}) inputs are not supported by the checker")
 
 
@@ -85,21 +86,24 @@ def place(
     coords: dict[int, tuple[int, ...]],
     salt: int = 0,
 ) -> dict[int, torch.Tensor]:
-    """rank -> that rank's local piece of `tensor` under `placements` (Shard, Replicate, Partial)."""
-    pieces: dict[int, torch.Tensor] = {}
-    for rank, coord in coords.items():
-        local = tensor
-        for mesh_dim, (p, parts) in enumerate(zip(placements, mesh_shape)):
-            c = coord[mesh_dim]
+    """rank -> that rank's local piece of `tensor` under `placements` (Shard, Replicate, Partial). Each mesh dim
+    splits the pieces of the dims before it, so ranks sharing a coordinate prefix share its piece."""
+    by_prefix: dict[tuple[int, ...], torch.Tensor] = {(): tensor}
+    for mesh_dim, (p, parts) in enumerate(zip(placements, mesh_shape)):
+        split: dict[tuple[int, ...], torch.Tensor] = {}
+        for prefix, local in by_prefix.items():
             if isinstance(p, Shard):
                 sizes = chunk_sizes(local.size(p.dim), parts)
-                local = local.narrow(p.dim, sum(sizes[:c]), sizes[c])
+                pieces = [local.narrow(p.dim, sum(sizes[:c]), sizes[c]) for c in range(parts)]
             elif isinstance(p, Partial):
-                local = _split_partial(local, p.reduce_op, c, parts, salt + 7 * mesh_dim)
-            elif not isinstance(p, Replicate):
+                pieces = _split_partial(local, p.reduce_op, parts, salt + 7 * mesh_dim)
+            elif isinstance(p, Replicate):
+                pieces = [local] * parts
+            else:
                 raise NotImplementedError(f"the checker places Shard, Replicate and Partial only, not {p}")
-        pieces[rank] = local.clone().contiguous()
-    return pieces
+            split.update({(*prefix, c): piece for c, piece in enumerate(pieces)})
+        by_prefix = split
+    return {rank: by_prefix[tuple(coord)].clone().contiguous() for rank, coord in coords.items()}
 
 
 def _combine(pieces: list[torch.Tensor], p: Placement, expected_sizes: list[int] | None) -> torch.Tensor:
