@@ -34,7 +34,8 @@ from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.gradients import gradient_move, reduction_stops
 from dtensor_ext.policy.graph_view import GraphView, OpNode, is_inplace, last_writes, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
-from dtensor_ext.policy.plan import OpChoice, Plan, _collectives, _fmt, _replicated
+from dtensor_ext.policy.placement_text import fmt
+from dtensor_ext.policy.plan import OpChoice, Plan, _collectives, _replicated
 from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
 from dtensor_ext.policy.repeats import repeated_rows, shared_layers
 from dtensor_ext.policy.scopes import as_constraints, in_scope, unmatched_scope
@@ -376,7 +377,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, list[Req
             if here != op.inputs[slot]:
                 what = f"%{u}" if tid in producers else graph.params.get(tid, "input")
                 op.moves.append(f"input {slot} ({what}, {list(graph.tensors[tid].shape)}): "
-                                f"{_fmt(here)} -> {_fmt(op.inputs[slot])}")
+                                f"{fmt(here)} -> {fmt(op.inputs[slot])}")
         ops.append(op)
     return ops, params, cost, shared_layers(graph, problem.same_as), gap
 
@@ -472,7 +473,7 @@ def _no_combination(node: OpNode, requirement: Requirement | None, mesh: DeviceM
     return PolicyError(where, field_name, got, f"placements DTensor runs {node.signature} at without communicating "
                                                f"on the whole mesh {tuple(mesh.shape)}: each mesh dim has some, but "
                                                f"DTensor refuses every combination of them (the last, inputs "
-                                               f"{', '.join(map(_fmt, refused.inputs))}: {why.rstrip('.')})")
+                                               f"{', '.join(map(fmt, refused.inputs))}: {why.rstrip('.')})")
 
 
 def _parameter_pins(graph: GraphView, requirements: dict[int, list[Requirement]]) -> dict[int, dict[int, Shard]]:
@@ -615,7 +616,7 @@ def _reduction_s(mesh: DeviceMesh, value: torch.Tensor, model, moves: dict, held
     stops = reduction_stops(held, {mesh_dim})
     times = [_move_s(mesh, value, model, moves, a, b) for a, b in zip(stops, stops[1:])]
     if None in times:
-        raise PolicyError(f"the gradient of a {list(value.shape)} value", "placements", _fmt(held),
+        raise PolicyError(f"the gradient of a {list(value.shape)} value", "placements", fmt(held),
                           "a placement DTensor can reduce a Partial gradient into")
     return sum(times)
 

@@ -69,9 +69,8 @@ class PlanExecutor:
         self.mode = _PlanMode(self)
 
     def _reads_in_groups(self) -> dict[tuple[int, int], tuple[frozenset, tuple]]:
-        from dtensor_ext.policy.plan import held_placements
 
-        return {read: (dims, held_placements(self.plan, tid))
+        return {read: (dims, self.plan.held(tid))
                 for tid, (by_dims, grouped) in partial_groups(self.plan).items() if grouped
                 for dims, reads in by_dims.items() if dims for read in reads}
 

@@ -99,7 +99,6 @@ def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]
     gradient beside a Partial one. Not where the value is Partial itself, or its memory is written in place (a
     group's step is a view: autograd refuses an in-place write through it)."""
     from dtensor_ext.policy.graph_view import last_writes
-    from dtensor_ext.policy.plan import held_placements
 
     reads: dict[int, dict[frozenset, list[tuple[int, int]]]] = {}
     for op in plan.ops:
@@ -110,7 +109,7 @@ def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]
                 reads.setdefault(tid, {}).setdefault(dims, []).append((op.node.index, slot))
     written = last_writes(plan.graph)
     return {tid: (by_dims, len(by_dims) > 1 and plan.graph.storage(tid) not in written
-                  and not any(p.is_partial() for p in held_placements(plan, tid)))
+                  and not any(p.is_partial() for p in plan.held(tid)))
             for tid, by_dims in reads.items()
             if any(by_dims) and plan.graph.tensors[tid].is_floating_point()}
 

@@ -5,7 +5,7 @@ holds several), one per parameter with its placements, and, where the value come
 per producer (an op outside, a model input); model outputs get a node of their own. Each edge is one operand read
 (a value into an op's input slot) and carries what ``print(plan)`` lists for that read: the forward move with the
 collectives DTensor runs and their bytes, and the backward collectives the solve priced for that read. The figures
-come from the plan's own ``_moves`` / ``_backward_moves`` / ``_returned``, so each collective of
+come from the plan's own ``forward_moves`` / ``backward_moves`` / ``_returned``, so each collective of
 ``forward_collectives()`` and ``backward_collectives()`` is on exactly one edge of the whole plan's picture.
 """
 
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.tensor import Replicate
 
 from dtensor_ext.policy.errors import PolicyError
+from dtensor_ext.policy.placement_text import fmt, steps_text
 
 if TYPE_CHECKING:
     from dtensor_ext.policy.plan import Plan
@@ -67,14 +68,13 @@ def _check_scope(plan: Plan, scope) -> None:
 def mermaid(plan: Plan, scope: str | None = None) -> str:
     """The plan (or the ops run inside module ``scope`` and the edges into and out of them) as a Mermaid
     flowchart."""
-    from dtensor_ext.policy.plan import _backward_moves, _fmt, _moves, _steps, held_placements
 
     _check_scope(plan, scope)
     graph, replicate = plan.graph, (Replicate(),) * plan.mesh.ndim
-    moves, returned = _moves(plan), plan._returned()
+    moves, returned = plan.forward_moves(), plan._returned()
     backward: dict[tuple[int, int], list[str]] = {}
-    for reader, slot, what, taken in _backward_moves(plan):
-        backward.setdefault((reader, slot), []).append(f"backward {what}: {_steps(taken, ())}")
+    for reader, slot, what, taken in plan.backward_moves():
+        backward.setdefault((reader, slot), []).append(f"backward {what}: {steps_text(taken, ())}")
     inside = [op for op in plan.ops if _in_scope(op.node.fqn, scope)]
     drawn = {op.node.index for op in inside}
     title = f" in {scope}" if scope is not None else ""
@@ -108,8 +108,8 @@ def mermaid(plan: Plan, scope: str | None = None) -> str:
             fqn = graph.params[tid]
             weights.setdefault(fqn, f"w{len(weights)}")
             return node(weights[fqn], "[(" + label(
-                _relative(fqn, scope), f"{list(graph.tensors[tid].shape)} {_fmt(plan.params[fqn])}") + ")]", "param")
-        return node(f"x{tid}", "[/" + label(f"input {list(graph.tensors[tid].shape)}", _fmt(replicate)) + "/]",
+                _relative(fqn, scope), f"{list(graph.tensors[tid].shape)} {fmt(plan.params[fqn])}") + ")]", "param")
+        return node(f"x{tid}", "[/" + label(f"input {list(graph.tensors[tid].shape)}", fmt(replicate)) + "/]",
                     "outside")
 
     def edge(src: str, dst: str, texts: list[str]) -> None:
@@ -117,7 +117,7 @@ def mermaid(plan: Plan, scope: str | None = None) -> str:
 
     def read(op, slot: int) -> list[str]:
         """What print(plan) lists for the op's read of its operand `slot`: the forward move, the backward."""
-        texts = [f"{_fmt(held)} -> {_fmt(target)}: {_steps(taken, held)}"
+        texts = [f"{fmt(held)} -> {fmt(target)}: {steps_text(taken, held)}"
                  for s, _, held, target, taken in moves[op.node.index] if s == slot]
         return texts + backward.get((op.node.index, slot), [])
 
@@ -140,11 +140,11 @@ def mermaid(plan: Plan, scope: str | None = None) -> str:
     for tid in dict.fromkeys(graph.outputs):
         producer = graph.producer(tid)
         if producer is not None and producer.index in drawn:
-            held = held_placements(plan, tid)
-            out = node(f"y{tid}", "[/" + label(f"output {list(graph.tensors[tid].shape)}", _fmt(replicate)) + "/]",
+            held = plan.held(tid)
+            out = node(f"y{tid}", "[/" + label(f"output {list(graph.tensors[tid].shape)}", fmt(replicate)) + "/]",
                        "outside")
             edge(op_node(producer.index), out,
-                 [f"{_fmt(held)} -> {_fmt(replicate)}: {_steps(returned[tid], held)}"] if tid in returned else [])
+                 [f"{fmt(held)} -> {fmt(replicate)}: {steps_text(returned[tid], held)}"] if tid in returned else [])
     lines.append("  classDef param fill:#eef5ff,stroke:#4a78c2")
     lines.append("  classDef outside fill:#f4f4f4,stroke:#999,stroke-dasharray:4 3")
     lines += [f"  class {','.join(names)} {kind}" for kind, names in kinds.items() if names]

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext.policy.adapter import _differentiated, _trace_outside_simulation
-from dtensor_ext.policy.plan import OpChoice, Plan, _fmt, _moves, _short
+from dtensor_ext.policy.placement_text import fmt, short
+from dtensor_ext.policy.plan import OpChoice, Plan
 from dtensor_ext.policy.constraints import _BoundedLoader
 from dtensor_ext.policy.derive import Candidate, CandidateCache, local_shape
 from dtensor_ext.policy.errors import PolicyError
@@ -71,14 +72,14 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
         param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
         grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
         every = [cache.options(node, m, param_slots, grad_slots).candidates for m in range(mesh.ndim)]
-        per_dim = [[c for c in found if tuple(_short(p[0]) for p in c.inputs) == tuple(t[m] for t in texts_in)]
+        per_dim = [[c for c in found if tuple(short(p[0]) for p in c.inputs) == tuple(t[m] for t in texts_in)]
                    for m, found in enumerate(every)]
         offered = cache.combined(node, per_dim, param_slots, grad_slots, 0) if all(per_dim) else []
         proofs = [c if c.proven else cache.prove(node, c, param_slots, grad_slots) for c in offered]
         found = [c for c in proofs if isinstance(c, Candidate)]
         wanted = (tuple(texts_in), tuple(texts_out))
-        match = next((c for c in found if (tuple(tuple(map(_short, p)) for p in c.inputs),
-                                           tuple(tuple(map(_short, p)) for p in c.outputs)) == wanted), None)
+        match = next((c for c in found if (tuple(tuple(map(short, p)) for p in c.inputs),
+                                           tuple(tuple(map(short, p)) for p in c.outputs)) == wanted), None)
         if match is None:
             runs = [f"mesh dim {m}: {'; '.join(sorted(_runs(found))) or 'none (it runs local)'}"
                     for m, found in enumerate(every)]
@@ -90,15 +91,15 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
     if not isinstance(modelled, (int, float)) or isinstance(modelled, bool):
         raise PolicyError(origin, "modelled_us", modelled, "a number (the plan's modelled step time)")
     plan = Plan(mesh, graph, choices, pinned, {}, {}, [], modelled * 1e-6)
-    for op, found in zip(choices, _moves(plan).values()):
+    for op, found in zip(choices, plan.forward_moves().values()):
         op.moves = [f"input {slot} ({what}, {list(graph.tensors[op.node.operand_ids[slot]].shape)}): "
-                    f"{_fmt(held)} -> {_fmt(target)}" for slot, what, held, target, _ in found]
+                    f"{fmt(held)} -> {fmt(target)}" for slot, what, held, target, _ in found]
     plan.planning_s = time.perf_counter() - start
     return plan
 
 
 def _runs(found) -> set[str]:
-    return {f"{' '.join(map(_short, (p[0] for p in c.inputs)))} -> {' '.join(map(_short, (p[0] for p in c.outputs)))}"
+    return {f"{' '.join(map(short, (p[0] for p in c.inputs)))} -> {' '.join(map(short, (p[0] for p in c.outputs)))}"
             for c in found}
 
 

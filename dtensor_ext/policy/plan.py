@@ -17,12 +17,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from dtensor_ext.policy.derive import splits
 from dtensor_ext.policy.gradients import gradient_move, partial_groups, reduction_stops
 from dtensor_ext.policy.graph_view import GraphView, OpNode
+from dtensor_ext.policy.placement_text import fmt, steps_text
 from dtensor_ext.redistribute.cost import IdealCostModel
 
-__all__ = ["OpChoice", "Plan", "held_placements"]
+__all__ = ["OpChoice", "Plan"]
 
 
 @dataclass
@@ -42,7 +42,7 @@ class OpChoice:
         if self.local:
             return ("reads the value into Python, replicated" if self.node.reads_values else
                     "local, replicated (DTensor has no rule)")
-        return f"in {', '.join(_fmt(p) for p in self.inputs)} -> out {', '.join(_fmt(p) for p in self.outputs)}"
+        return f"in {', '.join(fmt(p) for p in self.inputs)} -> out {', '.join(fmt(p) for p in self.outputs)}"
 
 
 @dataclass
@@ -66,29 +66,94 @@ class Plan:
     # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
     styles: dict | None = None
 
+    def held(self, tid: int) -> tuple:
+        """The placements a value has where it was made: its producer's solved output, a parameter's solved
+        placements, or Replicate for a model input (the executor reads plain tensors as replicated)."""
+        node = self.graph.producer(tid)
+        if node is not None:
+            return self.ops[node.index].outputs[node.output_ids.index(tid)]
+        if tid in self.graph.params:
+            return self.params[self.graph.params[tid]]
+        return (Replicate(),) * self.mesh.ndim
+
+    def forward_moves(self) -> dict[int, list[tuple]]:
+        """Per op, each input that moves: (slot, its producer, placements held, placements read, the collectives
+        DTensor runs for the move, as its own redistribution planner plans them). As the executor does, a Partial
+        value read by several ops is reduced once: later readers move from the first reader's placements."""
+
+        found, reduced = {}, {}
+        for op in self.ops:
+            found[op.node.index] = []
+            for slot, tid in enumerate(op.node.operand_ids):
+                held = self.held(tid)
+                target = op.inputs[slot]
+                if held == target:
+                    continue
+                partial = any(p.is_partial() for p in held)
+                if partial and tid in reduced:
+                    source = reduced[tid]  # a later reader starts from the first reader's reduction
+                else:
+                    source = held
+                    if partial:
+                        reduced[tid] = target
+                producer = self.graph.producer(tid)
+                what = f"%{producer.index}" if producer is not None else self.graph.params.get(tid, "input")
+                taken = [] if source == target else _collectives(self.mesh, self.graph.tensors[tid], source, target)
+                found[op.node.index].append((slot, what, held, target, taken))
+        return found
+
+    def backward_moves(self) -> list[tuple[int, int, str, list]]:
+        """The backward's collectives as the solve prices them: per edge, (reader op, its operand slot, what, the
+        collectives moving the gradient back to the value's placements, its Partial mesh dims left to the reduction),
+        then per value whose chosen readers send it a Partial gradient, (the first such reader, the slot it reads the
+        value at, what, the one reduction of the summed gradient into the value's placement), or one per group of
+        readers where they are grouped (policy.gradients)."""
+
+        found = []
+        for op in self.ops:
+            for slot, tid in enumerate(op.node.operand_ids):
+                value = self.graph.tensors[tid]
+                g = op.grads[slot] if slot < len(op.grads) else None
+                if g is None or not value.is_floating_point():
+                    continue
+                src, back_to = gradient_move(self.held(tid), g)
+                taken = [] if src == back_to else _collectives(self.mesh, value, src, back_to)
+                if taken:  # a local cut moves nothing: not listed
+                    found.append((op.node.index, slot, f"gradient of input {slot}: {fmt(src)} -> {fmt(back_to)}", taken))
+        for tid, (by_dims, grouped) in partial_groups(self).items():
+            value = self.graph.tensors[tid]
+            partial = {dims: reads[0] for dims, reads in by_dims.items() if dims}
+            for dims in partial if grouped else [frozenset().union(*partial)]:
+                reader, slot = partial[dims] if grouped else min(partial.values())
+                stops = reduction_stops(self.held(tid), dims)
+                taken = [step for a, b in zip(stops, stops[1:]) for step in _collectives(self.mesh, value, a, b)]
+                found.append((reader, slot, f"reduce the Partial gradient of {list(value.shape)}"
+                              f"{' (one group of readers)' if grouped else ''}: {' -> '.join(map(fmt, stops))}", taken))
+        return found
+
     def _returned(self) -> dict[int, list]:
         """Each model output not held replicated -> the collectives that make it the full tensor the caller gets."""
 
-        full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(held_placements(self, tid))]
-        return {tid: _collectives(self.mesh, self.graph.tensors[tid], held_placements(self, tid),
+        full = [tid for tid in dict.fromkeys(self.graph.outputs) if not _replicated(self.held(tid))]
+        return {tid: _collectives(self.mesh, self.graph.tensors[tid], self.held(tid),
                                   (Replicate(),) * self.mesh.ndim) for tid in full}
 
     def forward_collectives(self) -> list[tuple[str, int]]:
         """(kind, bytes the busiest rank receives) of each collective the plan's forward runs, in order: the moves
         into each op's inputs, then the outputs made full. `parallelize` runs exactly these (DTensor's own plans
         for each move)."""
-        return _forward_steps(_moves(self), self._returned())
+        return _forward_steps(self.forward_moves(), self._returned())
 
     def backward_collectives(self) -> list[tuple[str, int]]:
         """(kind, bytes the busiest rank receives) of each collective the solve priced for the backward: each
         gradient moved back to its value's placements (as `_pricer` prices the edge), then each Partial gradient
         reduced once per value and mesh dim."""
-        return [(step.kind, max(step.recv_bytes)) for _, _, _, taken in _backward_moves(self) for step in taken]
+        return [(step.kind, max(step.recv_bytes)) for _, _, _, taken in self.backward_moves() for step in taken]
 
     def __str__(self) -> str:
         from dtensor_ext.policy.styles import proven_styles
 
-        moves, returned, backward = _moves(self), self._returned(), _backward_moves(self)
+        moves, returned, backward = self.forward_moves(), self._returned(), self.backward_moves()
         steps = _forward_steps(moves, returned)
         back = [step for _, _, _, taken in backward for step in taken]
         followers = Counter(self.shared_layers.values())
@@ -106,7 +171,7 @@ class Plan:
             back_by_op.setdefault(where, []).append((what, taken))
         sharded = {k: v for k, v in self.params.items() if not _replicated(v)}
         lines.append(f"  parameters ({len(sharded)} of {len(self.params)} sharded):")
-        lines += [f"    {fqn}: {_fmt(p)}" for fqn, p in sharded.items()]
+        lines += [f"    {fqn}: {fmt(p)}" for fqn, p in sharded.items()]
         lines.append("  ops (those that run sharded or move data):")
         for op in self.ops:
             found = moves[op.node.index]
@@ -114,17 +179,17 @@ class Plan:
                 lines.append(f"    %{op.node.index} {op.node.signature} in {op.node.fqn or '<root>'}: {op.how}")
                 for slot, what, held, target, taken in found:
                     shape = list(self.graph.tensors[op.node.operand_ids[slot]].shape)
-                    lines.append(f"      input {slot} ({what}, {shape}): {_fmt(held)} -> {_fmt(target)}: "
-                                 f"{_steps(taken, held)}")
+                    lines.append(f"      input {slot} ({what}, {shape}): {fmt(held)} -> {fmt(target)}: "
+                                 f"{steps_text(taken, held)}")
                 for what, taken in back_by_op.get(op.node.index, []):
-                    lines.append(f"      backward {what}: {_steps(taken, ())}")
+                    lines.append(f"      backward {what}: {steps_text(taken, ())}")
         if returned:
             lines.append("  outputs (the caller gets full tensors):")
             for tid, taken in returned.items():
                 producer = self.graph.producer(tid)
                 lines.append(f"    %{producer.index} {list(self.graph.tensors[tid].shape)}: "
-                             f"{_fmt(held_placements(self, tid))} -> {_fmt((Replicate(),) * self.mesh.ndim)}: "
-                             f"{_steps(taken, held_placements(self, tid))}")
+                             f"{fmt(self.held(tid))} -> {fmt((Replicate(),) * self.mesh.ndim)}: "
+                             f"{steps_text(taken, self.held(tid))}")
         styles = proven_styles(self) if self.styles is None else self.styles
         note = ", proven, applied by parallelize" if self.styles is None else ""
         lines.append(f"  ParallelStyles ({len(styles)} modules{note}){':' if styles else ''}")
@@ -147,9 +212,9 @@ class Plan:
         import yaml
 
         ops = [{"op": op.node.index, "name": op.node.signature, "module": op.node.fqn,
-                "inputs": [_fmt(p) for p in op.inputs], "outputs": [_fmt(p) for p in op.outputs],
+                "inputs": [fmt(p) for p in op.inputs], "outputs": [fmt(p) for p in op.outputs],
                 **({"local": True} if op.local else {})} for op in self.ops]
-        params = {fqn: _fmt(p) for fqn, p in self.params.items()}
+        params = {fqn: fmt(p) for fqn, p in self.params.items()}
         modelled_us = round(self.cost_s * 1e6, 3)  # rounded: a pinned plan's time (us / 1e6) exports the same text
         return yaml.safe_dump({"mesh": list(self.mesh.shape), "modelled_us": modelled_us, "parameters": params,
                                "ops": ops}, sort_keys=False)
@@ -170,65 +235,8 @@ class Plan:
         return {fqn: SplitPoint.BEGINNING for stage, fqn in sorted(self.stage_starts.items()) if fqn}
 
 
-def _moves(plan: Plan) -> dict[int, list[tuple]]:
-    """Per op, each input that moves: (slot, its producer, placements held, placements read, the collectives
-    DTensor runs for the move, as its own redistribution planner plans them). As the executor does, a Partial
-    value read by several ops is reduced once: later readers move from the first reader's placements."""
-
-    found, reduced = {}, {}
-    for op in plan.ops:
-        found[op.node.index] = []
-        for slot, tid in enumerate(op.node.operand_ids):
-            held = held_placements(plan, tid)
-            target = op.inputs[slot]
-            if held == target:
-                continue
-            partial = any(p.is_partial() for p in held)
-            if partial and tid in reduced:
-                source = reduced[tid]  # a later reader starts from the first reader's reduction
-            else:
-                source = held
-                if partial:
-                    reduced[tid] = target
-            producer = plan.graph.producer(tid)
-            what = f"%{producer.index}" if producer is not None else plan.graph.params.get(tid, "input")
-            taken = [] if source == target else _collectives(plan.mesh, plan.graph.tensors[tid], source, target)
-            found[op.node.index].append((slot, what, held, target, taken))
-    return found
-
-
-def _backward_moves(plan: Plan) -> list[tuple[int, int, str, list]]:
-    """The backward's collectives as the solve prices them: per edge, (reader op, its operand slot, what, the
-    collectives moving the gradient back to the value's placements, its Partial mesh dims left to the reduction),
-    then per value whose chosen readers send it a Partial gradient, (the first such reader, the slot it reads the
-    value at, what, the one reduction of the summed gradient into the value's placement), or one per group of
-    readers where they are grouped (policy.gradients)."""
-
-    found = []
-    for op in plan.ops:
-        for slot, tid in enumerate(op.node.operand_ids):
-            value = plan.graph.tensors[tid]
-            g = op.grads[slot] if slot < len(op.grads) else None
-            if g is None or not value.is_floating_point():
-                continue
-            src, back_to = gradient_move(held_placements(plan, tid), g)
-            taken = [] if src == back_to else _collectives(plan.mesh, value, src, back_to)
-            if taken:  # a local cut moves nothing: not listed
-                found.append((op.node.index, slot, f"gradient of input {slot}: {_fmt(src)} -> {_fmt(back_to)}", taken))
-    for tid, (by_dims, grouped) in partial_groups(plan).items():
-        value = plan.graph.tensors[tid]
-        partial = {dims: reads[0] for dims, reads in by_dims.items() if dims}
-        for dims in partial if grouped else [frozenset().union(*partial)]:
-            reader, slot = partial[dims] if grouped else min(partial.values())
-            stops = reduction_stops(held_placements(plan, tid), dims)
-            taken = [step for a, b in zip(stops, stops[1:]) for step in _collectives(plan.mesh, value, a, b)]
-            found.append((reader, slot, f"reduce the Partial gradient of {list(value.shape)}"
-                          f"{' (one group of readers)' if grouped else ''}: {' -> '.join(map(_fmt, stops))}", taken))
-    return found
-
-
 def _forward_steps(moves: dict[int, list[tuple]], returned: dict[int, list]) -> list[tuple[str, int]]:
-    """(kind, bytes the busiest rank receives) of each collective in `moves` (_moves) and `returned`, in order."""
+    """(kind, bytes the busiest rank receives) of each collective in `moves` (Plan.forward_moves) and `returned`, in order."""
     steps = [step for found in moves.values() for _, _, _, _, taken in found for step in taken]
     steps += [step for taken in returned.values() for step in taken]
     return [(step.kind, max(step.recv_bytes)) for step in steps]
@@ -258,40 +266,9 @@ def _collectives(mesh: DeviceMesh, value: torch.Tensor, src: tuple, dst: tuple, 
     return [step for step in steps if step.kind != "local"]
 
 
-def _steps(taken: list, held: tuple) -> str:
-    if taken:
-        return ", ".join(f"{s.kind} {max(s.recv_bytes):,} B" for s in taken)
-    if any(p.is_partial() for p in held):
-        return "no collective (an earlier reader reduced it)"
-    return "no collective (a local cut)"
-
-
 def _replicated(placements: tuple) -> bool:
     return all(p.is_replicate() for p in placements)
 
 
-def _fmt(placements: tuple) -> str:
-    return "(" + ", ".join(_short(p) for p in placements) + ")"
-
-
-def _short(p) -> str:
-    if p.is_replicate():
-        return "R"
-    if splits(p):  # a Shard, or DTensor's strided shard of that dim
-        return f"S({p.dim})"
-    return "P"
-
-
 def _name(fn: Callable | None) -> str:
     return getattr(fn, "__qualname__", repr(fn)) if fn is not None else "-"
-
-
-def held_placements(plan, tid: int) -> tuple:
-    """The placements a value has where it was made: its producer's solved output, a parameter's solved
-    placements, or Replicate for a model input (the executor reads plain tensors as replicated)."""
-    node = plan.graph.producer(tid)
-    if node is not None:
-        return plan.ops[node.index].outputs[node.output_ids.index(tid)]
-    if tid in plan.graph.params:
-        return plan.params[plan.graph.params[tid]]
-    return (Replicate(),) * plan.mesh.ndim

@@ -43,8 +43,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_ext.policy.plan import _short, held_placements
 from dtensor_ext.policy.gradients import partial_groups
+from dtensor_ext.policy.placement_text import short
 
 __all__ = ["StyleChoice", "apply_styles", "proven_styles"]
 
@@ -62,8 +62,8 @@ class StyleChoice:
     hands_on: object
 
     def __str__(self) -> str:
-        return (f"{type(self.style).__name__}: in {_short(self.arrives)} -> {_short(self.reads)}, "
-                f"out {_short(self.hands_on)}")
+        return (f"{type(self.style).__name__}: in {short(self.arrives)} -> {short(self.reads)}, "
+                f"out {short(self.hands_on)}")
 
 
 def proven_styles(plan) -> dict[str, StyleChoice]:
@@ -122,7 +122,7 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict, partial: 
                 if plan.params[graph.params[tid]] != op.inputs[slot]:
                     return None
             elif tid in made_inside:
-                if held_placements(plan, tid) != op.inputs[slot]:
+                if plan.held(tid) != op.inputs[slot]:
                     return None
             else:
                 return None  # a tensor from outside that the style would not convert (a buffer, a closure)
@@ -132,7 +132,7 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict, partial: 
             return None
     if not reads or any(r != reads[0] for r in reads):
         return None
-    arrives = held_placements(plan, x)
+    arrives = plan.held(x)
     if any(p.is_partial() for p in arrives) and _readers_outside(plan, x, span):
         return None
     if x in partial:
@@ -146,7 +146,7 @@ def _prove(plan, fqn: str, call, owners: dict[int, int], probes: dict, partial: 
     last_outputs = graph.nodes[last].output_ids
     if handed != [last_outputs[0]] or len(last_outputs) != 1:
         return None
-    solved_out = held_placements(plan, last_outputs[0])[0]
+    solved_out = plan.held(last_outputs[0])[0]
     ndim = graph.tensors[x].ndim
     for style in _candidates(reads[0][0], plain_input=graph.producer(x) is None):
         probed = _probe(style, module, plan.mesh, probes)
