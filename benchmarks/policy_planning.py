@@ -1,7 +1,7 @@
 """Planning time of build_plan on HF Llama (tiny random weights, fp32), and a fingerprint of each plan, so that a
 change meant only to make planning faster can be checked to return the same plans at the same modelled cost.
 
-Each case plans from an empty candidates cache (``derive._FOUND`` cleared) `--repeat` times; the best time is
+Each case plans from an empty candidates cache (``candidates._FOUND`` cleared) `--repeat` times; the best time is
 reported with the modelled cost, the proven gap, the time spent building the HiGHS model (``solve._model``) and
 running HiGHS, how many solves the derivation ran (one more per round of proofs that changed the model), and the
 fingerprint (a hash of every op's and parameter's placements). ``--save FILE`` writes the
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import policy_quality as q  # noqa: E402
 
-from dtensor_ext.policy import adapter, build_plan, derive  # noqa: E402
+from dtensor_ext.policy import adapter, build_plan, candidates  # noqa: E402
 from dtensor_ext.policy import solve as solve_module  # noqa: E402
 from dtensor_ext.testing import simulated_mesh  # noqa: E402
 
@@ -81,7 +81,7 @@ def plan_once(shape: tuple[int, ...], layers: int, budget: int | None, capture: 
                   (adapter, "solve", _timed(adapter, "solve", spent))]
     try:
         with simulated_mesh(shape, mesh_dim_names=names) as mesh:
-            derive._FOUND.clear()
+            candidates._FOUND.clear()
             start = time.perf_counter()
             plan = build_plan(model, mesh, (ids,), memory_budget=budget)
             total = time.perf_counter() - start

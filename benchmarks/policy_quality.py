@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dtensor_ext  # noqa: F401
 from dtensor_ext._compat import funcol, local_tensor_values
 from dtensor_ext.policy import PolicyError, build_plan, parallelize
-from dtensor_ext.policy import derive
+from dtensor_ext.policy import candidates
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.tools.comm_stats import CommStatsMode
 
@@ -160,7 +160,7 @@ def measure(name: str, mesh_shape: tuple[int, ...], variant: str, budget: float 
                 run_labels = distribute_tensor(labels, mesh,
                                                [torch.distributed.tensor.Shard(0), Replicate()]).to_local()
         else:
-            derive._FOUND.clear()
+            candidates._FOUND.clear()
             try:
                 state = STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters())
                 cap = int(budget * state) if isinstance(budget, float) else budget

@@ -113,7 +113,7 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
     import dtensor_ext  # noqa: F401
     from dtensor_ext.policy import adapter, build_plan
     from dtensor_ext.policy import solve as solve_module
-    from dtensor_ext.policy.graph_view import trace_graph
+    from dtensor_ext.policy.trace import trace_graph
     from dtensor_ext.testing import simulated_mesh
 
     config_name, sizes = MODELS[model_name]

@@ -6,12 +6,24 @@ filters them by the constraints and picks the cheapest plan exactly (HiGHS); it 
 ``parallelize`` applies it: parameters distributed as solved, activations run as DTensors at the solved placements
 (torch's ParallelStyles run the modules where they provably do the same). ``load_plan`` reads ``plan.to_yaml()`` back.
 Every malformed input and every constraint no plan meets raises PolicyError (a ValueError).
+
+The modules are the pipeline, in order (``adapter`` runs it):
+
+- trace: the model's forward as torch-level ops (``trace``; ``regions`` and ``repeats`` group them);
+- candidates: each op's placements that DTensor runs without communicating, proven on the whole mesh (``candidates``);
+- constraints: what a user asks, in any plan language (``constraints``, ``scopes``, ``hf_plans``, ``style_dicts``,
+  ``opplan``);
+- solve: one exact choice for the whole mesh (``solve``), the Plan as data (``plan``, ``placement_text``,
+  ``picture``, ``pinned`` reads a written plan back);
+- apply: ``parallelize`` runs the plan as torch ParallelStyles where they do the same (``styles``), as a traced
+  program (``program``) or by the interpreter (``interpreter``), gradients brought to their placements by
+  ``gradients``.
 """
 
 from dtensor_ext.policy.adapter import PolicyConfig, build_plan, parallelize
 from dtensor_ext.policy.constraints import Constraint, load_constraints
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.graph_view import GraphView, OpNode
+from dtensor_ext.policy.trace import GraphView, OpNode
 from dtensor_ext.policy.hf_plans import HFPlan, model_plans
 from dtensor_ext.policy.pinned import load_plan
 from dtensor_ext.policy.plan import Plan

@@ -1,7 +1,7 @@
 """build_plan / parallelize: constraints (YAML or a Python policy) filter DTensor's own candidates, HiGHS picks.
 
-1. Trace the forward once (graph_view): every torch-level op, the module that ran it, its inputs and outputs.
-2. For each mesh dim, each op's candidates come from DTensor itself (derive): the input placements it runs
+1. Trace the forward once (policy.trace): every torch-level op, the module that ran it, its inputs and outputs.
+2. For each mesh dim, each op's candidates come from DTensor itself (policy.candidates): the input placements it runs
    forward and backward without communicating, with the output placements it then produces.
 3. Constraints only remove candidates: ``allowed_partition_dims`` keeps those with Shard(dim) on that input
    (plus the all-Replicate one where ``replica_allowed``), ``parent_module``/``fqn`` scope them, ``mesh_dim`` picks
@@ -9,7 +9,8 @@
 4. HiGHS (solve) picks one candidate per op and one placement per parameter, minimising the redistributions
    (the package's cost model, forward and the gradients' way back) plus the compute each rank does.
 5. ``parallelize`` distributes the parameters as solved and runs every op on DTensors whose inputs are moved to
-   the solved placements (enforce), so DTensor executes what was planned and the values are the single-device ones.
+   the solved placements (policy.interpreter), so DTensor executes what was planned and the values are the
+   single-device ones.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
 from dtensor_ext.policy.constraints import Constraint
-from dtensor_ext.policy.derive import Candidate, CandidateCache, NodeOptions, local_shape, operand_tensors, splits
+from dtensor_ext.policy.candidates import Candidate, CandidateCache, NodeOptions, local_shape, operand_tensors, splits
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.gradients import gradient_move, reduction_stops
-from dtensor_ext.policy.graph_view import GraphView, OpNode, is_inplace, last_writes, trace_graph
+from dtensor_ext.policy.trace import GraphView, OpNode, is_inplace, last_writes, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.placement_text import fmt
 from dtensor_ext.policy.plan import OpChoice, Plan, _collectives, _replicated
@@ -673,7 +674,7 @@ def parallelize(
     ``program=True`` replaces the model's forward by the traced program, replayed op by op with the planned moves
     (policy.program: what torch.compile traces into one graph; the plan is traced on fake tensors, the inputs
     must have the traced shapes, and no ParallelStyle is used)."""
-    from dtensor_ext.policy.enforce import PlanExecutor
+    from dtensor_ext.policy.interpreter import PlanExecutor
     from dtensor_ext.policy.program import PlanProgram
     from dtensor_ext.policy.styles import apply_styles, proven_styles
 

@@ -98,7 +98,7 @@ def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]
     the readers are grouped by those sets (`read_in_group`): where they differ, or some readers send a whole
     gradient beside a Partial one. Not where the value is Partial itself, or its memory is written in place (a
     group's step is a view: autograd refuses an in-place write through it)."""
-    from dtensor_ext.policy.graph_view import last_writes
+    from dtensor_ext.policy.trace import last_writes
 
     reads: dict[int, dict[frozenset, list[tuple[int, int]]]] = {}
     for op in plan.ops:

@@ -21,7 +21,7 @@ from dtensor_ext.policy.adapter import _differentiated, _trace_outside_simulatio
 from dtensor_ext.policy.placement_text import fmt, short
 from dtensor_ext.policy.plan import OpChoice, Plan
 from dtensor_ext.policy.constraints import _BoundedLoader
-from dtensor_ext.policy.derive import Candidate, CandidateCache, local_shape
+from dtensor_ext.policy.candidates import Candidate, CandidateCache, local_shape
 from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["load_plan"]

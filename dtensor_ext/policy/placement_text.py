@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dtensor_ext.policy.derive import splits
+from dtensor_ext.policy.candidates import splits
 
 __all__ = ["fmt", "short", "steps_text"]
 

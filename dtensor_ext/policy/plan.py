@@ -3,7 +3,7 @@
 ``str(plan)`` lists every op's placements, each move with the collectives DTensor runs for it and their bytes,
 and the backward's reductions; ``forward_collectives()`` / ``backward_collectives()`` list them as data,
 ``to_yaml()`` writes the plan (``policy.load_plan`` reads it back) and ``to_mermaid()`` draws it (policy.picture).
-The orchestrator (policy.adapter) builds a Plan; the executors (policy.enforce, policy.program), the styles, the
+The orchestrator (policy.adapter) builds a Plan; the executors (policy.interpreter, policy.program), the styles, the
 picture and pinned plans read it from here.
 """
 
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from dtensor_ext.policy.gradients import gradient_move, partial_groups, reduction_stops
-from dtensor_ext.policy.graph_view import GraphView, OpNode
+from dtensor_ext.policy.trace import GraphView, OpNode
 from dtensor_ext.policy.placement_text import fmt, steps_text
 from dtensor_ext.redistribute.cost import IdealCostModel
 
@@ -119,7 +119,8 @@ class Plan:
                 src, back_to = gradient_move(self.held(tid), g)
                 taken = [] if src == back_to else _collectives(self.mesh, value, src, back_to)
                 if taken:  # a local cut moves nothing: not listed
-                    found.append((op.node.index, slot, f"gradient of input {slot}: {fmt(src)} -> {fmt(back_to)}", taken))
+                    found.append((op.node.index, slot, f"gradient of input {slot}: {fmt(src)} -> {fmt(back_to)}",
+                                  taken))
         for tid, (by_dims, grouped) in partial_groups(self).items():
             value = self.graph.tensors[tid]
             partial = {dims: reads[0] for dims, reads in by_dims.items() if dims}
@@ -236,7 +237,8 @@ class Plan:
 
 
 def _forward_steps(moves: dict[int, list[tuple]], returned: dict[int, list]) -> list[tuple[str, int]]:
-    """(kind, bytes the busiest rank receives) of each collective in `moves` (Plan.forward_moves) and `returned`, in order."""
+    """(kind, bytes the busiest rank receives) of each collective in `moves` (Plan.forward_moves) and `returned`,
+    in order."""
     steps = [step for found in moves.values() for _, _, _, _, taken in found for step in taken]
     steps += [step for taken in returned.values() for step in taken]
     return [(step.kind, max(step.recv_bytes)) for step in steps]

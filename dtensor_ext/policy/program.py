@@ -1,6 +1,6 @@
 """The plan run as a program: the traced forward replayed op by op, every input moved as planned.
 
-The interpreter (enforce.PlanExecutor) runs the model's own forward and meets its calls through a TorchFunctionMode,
+The interpreter (interpreter.PlanExecutor) runs the model's own forward and meets its calls through a TorchFunctionMode,
 which torch.compile cannot trace (each call breaks the graph). Here the model's forward is replaced by the trace
 itself: the k-th traced op is called with its traced arguments, each traced tensor replaced by the value the
 replay made for it (a parameter, a buffer or an input wrapped as Replicate, an earlier op's output), moved as the
@@ -23,11 +23,11 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from dtensor_ext._compat import called_in_graph, pytree
-from dtensor_ext.policy.derive import operand_tensors
-from dtensor_ext.policy.enforce import PlanExecutor, _full, _kind, _planned_gradient
+from dtensor_ext.policy.candidates import operand_tensors
+from dtensor_ext.policy.interpreter import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.gradients import gradient_brought, read_in_group
-from dtensor_ext.policy.graph_view import OutputSlot, last_writes, op_outputs
+from dtensor_ext.policy.trace import OutputSlot, last_writes, op_outputs
 
 __all__ = ["PlanProgram"]
 
@@ -165,7 +165,8 @@ class _Step:
 
 @called_in_graph  # it decides by the gradient's placements: under torch.compile, by the real ones (see _compat)
 def _at_planned_gradient(grad: DTensor, placements: tuple) -> DTensor:
-    """enforce's `_planned_gradient` as `gradient_brought` calls it (the gradient itself where nothing changes)."""
+    """The interpreter's `_planned_gradient` as `gradient_brought` calls it (the gradient itself where nothing
+    changes)."""
     brought = _planned_gradient(list(placements), grad)
     return grad if brought is None else brought
 

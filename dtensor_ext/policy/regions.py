@@ -12,7 +12,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dtensor_ext.policy.errors import PolicyError
-from dtensor_ext.policy.graph_view import GraphView
+from dtensor_ext.policy.trace import GraphView
 
 __all__ = ["recompute_regions", "apply_recompute", "stage_boundaries"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from dtensor_ext.policy.graph_view import GraphView
+from dtensor_ext.policy.trace import GraphView
 
 __all__ = ["repeated_rows", "shared_layers"]
 

@@ -11,8 +11,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from dtensor_ext.policy import build_plan
-from dtensor_ext.policy.derive import Candidate, CandidateCache, prove_combinations
-from dtensor_ext.policy.graph_view import trace_graph
+from dtensor_ext.policy.candidates import Candidate, CandidateCache, prove_combinations
+from dtensor_ext.policy.trace import trace_graph
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_applied_plan_matches, assert_every_rank_matches
 from tests.policy.test_joint_solve import EagerAttention, _assert_every_choice_proven

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dtensor_ext._compat import local_tensor_values
 from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, build_plan, get_pas_ops, parallelize
 from dtensor_ext.policy.adapter import STATE_COPIES, _differentiated
-from dtensor_ext.policy.derive import CandidateCache
+from dtensor_ext.policy.candidates import CandidateCache
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_every_rank_matches
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_ext.policy import PolicyError, build_plan
-from dtensor_ext.policy.graph_view import is_inplace
-from dtensor_ext.policy.graph_view import trace_graph
+from dtensor_ext.policy.trace import is_inplace
+from dtensor_ext.policy.trace import trace_graph
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_applied_plan_matches
 from tests.policy.test_guarantee import _copies

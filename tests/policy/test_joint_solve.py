@@ -10,8 +10,8 @@ from torch.distributed.tensor import Shard
 
 from dtensor_ext.policy import PolicyError, build_plan
 from dtensor_ext.policy.adapter import STATE_COPIES, _differentiated
-from dtensor_ext.policy.derive import Candidate, CandidateCache, prove_combinations
-from dtensor_ext.policy.graph_view import trace_graph
+from dtensor_ext.policy.candidates import Candidate, CandidateCache, prove_combinations
+from dtensor_ext.policy.trace import trace_graph
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_applied_plan_matches, differentiable_slots, recorded_problems
 
@@ -103,7 +103,7 @@ def test_proofs_that_match_their_prediction_cost_no_second_solve(monkeypatch, ca
     after the proofs is the one just solved, so it is solved once, and the plan is the one a second solve gives.
     Planning logs nothing of torch's "suboptimal redistribution" warning (its fake runs that redistribute are
     refused anyway)."""
-    from dtensor_ext.policy import adapter, derive
+    from dtensor_ext.policy import adapter, candidates
 
     solves = []
 
@@ -118,7 +118,7 @@ def test_proofs_that_match_their_prediction_cost_no_second_solve(monkeypatch, ca
     x = torch.randn(8, 16)
     budget = STATE_COPIES * sum(p.numel() * p.element_size() for p in model.parameters()) // 2  # forces sharding
     with simulated_mesh((2, 2), mesh_dim_names=("dp", "tp")) as mesh:
-        derive._FOUND.clear()
+        candidates._FOUND.clear()
         plan = build_plan(model, mesh, (x,), memory_budget=budget)
         assert len(solves) == 1 and any(not all(p.is_replicate() for p in placements)
                                         for placements in plan.params.values())

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, build_plan
-from dtensor_ext.policy import derive
+from dtensor_ext.policy import candidates
 from dtensor_ext.policy.adapter import STATE_COPIES
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_applied_plan_matches, recorded_problems
@@ -48,7 +48,7 @@ def _budget(model) -> int:
 def _plan(model, x, mesh, monkeypatch, **kwargs):
     """The plan and the problems the solver was given."""
     problems = recorded_problems(monkeypatch)
-    derive._FOUND.clear()
+    candidates._FOUND.clear()
     return build_plan(model, mesh, (x,), memory_budget=_budget(model), **kwargs), problems
 
 

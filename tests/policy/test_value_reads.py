@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dtensor_ext.policy import PolicyError, build_plan, parallelize
-from dtensor_ext.policy.graph_view import trace_graph
+from dtensor_ext.policy.trace import trace_graph
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.tools.comm_stats import CommStatsMode
 from tests.policy.checks import assert_applied_plan_matches, assert_every_rank_matches

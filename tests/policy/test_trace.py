@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext.policy import build_plan, get_called_self_module_name
-from dtensor_ext.policy.graph_view import trace_graph
+from dtensor_ext.policy.trace import trace_graph
 from dtensor_ext.testing import simulated_mesh
 
 

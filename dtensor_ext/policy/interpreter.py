@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.gradients import move_for_reading, partial_groups, read_in_group, reduce_partial_gradient
 from dtensor_ext._compat import TorchDispatchMode
-from dtensor_ext.policy.graph_view import HOST_READ_OPS, op_outputs, replace_tensors, tensors_in, unique_tensors
+from dtensor_ext.policy.trace import HOST_READ_OPS, op_outputs, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["PlanExecutor"]
 

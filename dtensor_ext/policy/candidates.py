@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dtensor_ext._compat import (clear_sharding_caches, fake_tensor_mode, outside_dispatch_modes,
                                  outside_simulated_ranks, quiet_torch_log, redistribution_plans_kept,
                                  strided_offsets_on_plain_ints)
-from dtensor_ext.policy.graph_view import OpNode, op_outputs, replace_tensors, tensors_in, unique_tensors
+from dtensor_ext.policy.trace import OpNode, op_outputs, replace_tensors, tensors_in, unique_tensors
 
 __all__ = ["Candidate", "CandidateCache", "NodeOptions", "enumerate_candidates", "local_shape",
            "operand_tensors", "prove_combinations", "splits"]
