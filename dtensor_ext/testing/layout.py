@@ -103,7 +103,8 @@ def place(
                 raise NotImplementedError(f"the checker places Shard, Replicate and Partial only, not {p}")
             split.update({(*prefix, c): piece for c, piece in enumerate(pieces)})
         by_prefix = split
-    return {rank: by_prefix[tuple(coord)].clone().contiguous() for rank, coord in coords.items()}
+    placed = min(len(placements), len(mesh_shape))  # mesh dims past the placements leave the pieces whole
+    return {rank: by_prefix[tuple(coord[:placed])].clone().contiguous() for rank, coord in coords.items()}
 
 
 def _combine(pieces: list[torch.Tensor], p: Placement, expected_sizes: list[int] | None) -> torch.Tensor:
