@@ -29,11 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
-from dtensor_ext.policy.constraints import Constraint
 from dtensor_ext.policy.candidates import Candidate, CandidateCache, NodeOptions, local_shape, operand_tensors, splits
+from dtensor_ext.policy.constraints import Constraint
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.gradients import gradient_move, reduction_stops
-from dtensor_ext.policy.trace import GraphView, OpNode, is_inplace, last_writes, trace_graph
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.placement_text import fmt
 from dtensor_ext.policy.plan import OpChoice, Plan, _collectives, _replicated
@@ -41,6 +40,7 @@ from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage
 from dtensor_ext.policy.repeats import repeated_rows, shared_layers
 from dtensor_ext.policy.scopes import as_constraints, in_scope, unmatched_scope
 from dtensor_ext.policy.solve import EXACT, Problem, solve
+from dtensor_ext.policy.trace import GraphView, OpNode, is_inplace, last_writes, trace_graph
 from dtensor_ext.redistribute.cost import IdealCostModel
 
 __all__ = ["PolicyConfig", "build_plan", "parallelize"]

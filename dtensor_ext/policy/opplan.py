@@ -9,8 +9,8 @@ from typing import Literal, Union
 
 from dtensor_ext.policy.constraints import check_input_index, check_mesh_dim, check_module_glob
 from dtensor_ext.policy.errors import PolicyError, short_repr
-from dtensor_ext.policy.trace import GraphView, OpNode
 from dtensor_ext.policy.scopes import in_scope
+from dtensor_ext.policy.trace import GraphView, OpNode
 
 __all__ = ["OpPartition", "OpPlan", "get_pas_ops", "get_layer_index", "get_called_self_module_name"]
 

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from dtensor_ext.policy.gradients import gradient_move, partial_groups, reduction_stops
-from dtensor_ext.policy.trace import GraphView, OpNode
 from dtensor_ext.policy.placement_text import fmt, steps_text
+from dtensor_ext.policy.trace import GraphView, OpNode
 from dtensor_ext.redistribute.cost import IdealCostModel
 
 __all__ = ["OpChoice", "Plan"]

@@ -24,9 +24,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from dtensor_ext._compat import called_in_graph, pytree
 from dtensor_ext.policy.candidates import operand_tensors
-from dtensor_ext.policy.interpreter import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.gradients import gradient_brought, read_in_group
+from dtensor_ext.policy.interpreter import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.trace import OutputSlot, last_writes, op_outputs
 
 __all__ = ["PlanProgram"]

@@ -13,9 +13,9 @@ from dtensor_ext.models.llama import LlamaConfig, TinyLlama, torchtitan_plan
 from dtensor_ext.models.policy_files import policy_text
 from dtensor_ext.policy import Constraint, PolicyError, build_plan, get_pas_ops
 from dtensor_ext.policy.constraints import parse_constraints
-from dtensor_ext.policy.trace import trace_graph
 from dtensor_ext.policy.hf_plans import STYLES, HFPlan, model_plans
 from dtensor_ext.policy.scopes import as_constraints
+from dtensor_ext.policy.trace import trace_graph
 from dtensor_ext.testing import simulated_mesh
 from tests.policy.checks import assert_applied_plan_matches
 from tests.policy.test_hf_zoo import compare
