@@ -69,7 +69,6 @@ class PlanExecutor:
         self.mode = _PlanMode(self)
 
     def _reads_in_groups(self) -> dict[tuple[int, int], tuple[frozenset, tuple]]:
-
         return {read: (dims, self.plan.held(tid))
                 for tid, (by_dims, grouped) in partial_groups(self.plan).items() if grouped
                 for dims, reads in by_dims.items() if dims for read in reads}
@@ -201,8 +200,6 @@ class PlanExecutor:
             if isinstance(o, DTensor) and list(map(_kind, o.placements)) != list(map(_kind, planned)):
                 self.plan.deviations.append(f"{op.node}: output {tuple(o.placements)}, planned {planned}")
         return out
-
-
 
 
 def _planned_gradient(placements: list, grad):
