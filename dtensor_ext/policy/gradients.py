@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtensor_ext._compat import called_in_graph
+from dtensor_ext.policy.trace import last_writes
 
 __all__ = ["gradient_brought", "gradient_move", "gradient_target", "move_for_reading", "partial_groups",
            "read_in_group", "reduce_partial_gradient", "reduction_stops"]
@@ -98,8 +99,6 @@ def partial_groups(plan) -> dict[int, tuple[dict[frozenset, list[tuple[int, int]
     the readers are grouped by those sets (`read_in_group`): where they differ, or some readers send a whole
     gradient beside a Partial one. Not where the value is Partial itself, or its memory is written in place (a
     group's step is a view: autograd refuses an in-place write through it)."""
-    from dtensor_ext.policy.trace import last_writes
-
     reads: dict[int, dict[frozenset, list[tuple[int, int]]]] = {}
     for op in plan.ops:
         for slot, tid in enumerate(op.node.operand_ids):
