@@ -68,7 +68,6 @@ def _check_scope(plan: Plan, scope) -> None:
 def mermaid(plan: Plan, scope: str | None = None) -> str:
     """The plan (or the ops run inside module ``scope`` and the edges into and out of them) as a Mermaid
     flowchart."""
-
     _check_scope(plan, scope)
     graph, replicate = plan.graph, (Replicate(),) * plan.mesh.ndim
     moves, returned = plan.forward_moves(), plan._returned()

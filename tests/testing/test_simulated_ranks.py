@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from dtensor_ext import _compat
-from dtensor_ext.testing import local_values, place_dtensor, sample_tensor, simulated_mesh
+from dtensor_ext.testing import local_values, place_dtensor, rank_coordinates, sample_tensor, simulated_mesh
 
 
 def test_embedding_of_a_0d_index_on_a_vocab_sharded_weight_gives_the_row_on_every_rank():
@@ -101,3 +101,17 @@ def test_simulated_equal_agrees_with_real_ranks(tmp_path):
     from tests.policy.gloo_ranks import spawn_ranks
 
     spawn_ranks(_equal_on_gloo_rank, 4, tmp_path)
+
+
+def test_rank_coordinates_are_each_meshs_own_and_a_caller_cannot_change_them():
+    """rank_coordinates is cached per mesh: meshes of other shapes get their own, and a caller's edit of the
+    returned dict does not reach the next caller."""
+    with simulated_mesh((2, 3)) as mesh:
+        got = rank_coordinates(mesh)
+        assert got == {r: (r // 3, r % 3) for r in range(6)}
+        got[0] = (9, 9)
+        assert rank_coordinates(mesh)[0] == (0, 0)
+    with simulated_mesh((3, 2)) as mesh:
+        assert rank_coordinates(mesh) == {r: (r // 2, r % 2) for r in range(6)}
+    with simulated_mesh((6,)) as mesh:
+        assert rank_coordinates(mesh) == {r: (r,) for r in range(6)}
