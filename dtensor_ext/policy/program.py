@@ -143,8 +143,8 @@ class PlanProgram(PlanExecutor):
                 self.plan.deviations.append(f"{op.node}: output {tuple(o.placements)}, planned {planned}")
             if o.requires_grad:
                 gradient_at = tuple(Replicate() if p.is_partial() else p for p in o.placements)
-                if hooked:
-                    o.register_hook(functools.partial(_planned_gradient, list(gradient_at)))
+                if hooked:  # the hook is a recorded call (called_in_graph): dynamo keeps one graph around it
+                    o.register_hook(functools.partial(_at_planned_gradient, placements=gradient_at))
                 else:
                     o = gradient_brought(o, gradient_at, _at_planned_gradient)
             env[tid] = o
