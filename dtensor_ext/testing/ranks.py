@@ -18,13 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 
-# what a rank process would import again: the ones this process has are imported once, by the fork server
-_PRELOAD = ("torch", "torch.distributed.tensor", "dtensor_ext", "transformers")
+# what a rank process would import again: the ones this process has are imported once, by the fork server (the
+# planner: a second of imports per rank, four ranks at a time, in every policy test on real ranks)
+_PRELOAD = ("torch", "torch.distributed.tensor", "dtensor_ext", "dtensor_ext.policy", "transformers")
 
 
 def rank_context():
-    """The multiprocessing context ranks start in: forked from a server that imported torch (and the package and
-    transformers, where this process has them) once, so each rank skips the seconds of imports a spawned process
+    """The multiprocessing context ranks start in: forked from a server that imported torch (and the package, its
+    planner and transformers, where this process has them) once, so each rank skips the seconds of imports a spawned process
     pays; a fresh process still, with no state of the caller's (no process group, no thread)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([name for name in _PRELOAD if name in sys.modules])

@@ -1,11 +1,6 @@
 import pytest
-import torch
 
 import dtensor_ext
-
-# The checker runs ops on tiny per-rank pieces thousands of times; with intra-op threads on a shared 2-core box
-# each pad kernel call costs ~20 ms of thread hand-off instead of ~5 us.
-torch.set_num_threads(1)
 
 
 @pytest.fixture

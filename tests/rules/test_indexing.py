@@ -215,7 +215,7 @@ def test_embedding_bag(mesh_shape, rows, width, bag_sizes, mode, weighted, forwa
 def test_embedding_bag_float32_table_with_an_empty_column_shard(mode):
     """The OpInfo case the proofs missed: 5 float32 columns on 4 ranks leave rank 3 none, and the CPU kernel
     raises on a column-less table in sum/mean mode (two bags) - but only on its multi-threaded path, and the rule
-    tests run single-threaded (tests/rules/conftest.py), with float64 tables, which never take that path."""
+    tests run single-threaded (tests/conftest.py), with float64 tables, which never take that path."""
     table = floats((10, 5), 0).float()
     weights = floats((5,), 4).float() if mode == 0 else None
     args = [table, torch.tensor([5, 1, 6, 5, 6]), torch.tensor([0, 3]), False, mode, False, weights]

@@ -65,6 +65,23 @@ def correct_runs_without_and_with_fixes(run, x: torch.Tensor, mesh_shape) -> tup
         dtensor_ext.install()
 
 
+def torch_alone_runs(run, cases, errors=(RuntimeError,)) -> list:
+    """`run(case)` for each of `cases` under torch's own handling (fix_torch=False), None where it raised one of
+    `errors` (not a case torch got right). One install each way for all the cases, not two per case: every
+    install runs each fix's feature checks. Ends installed."""
+    try:
+        dtensor_ext.install(fix_torch=False)
+        results = []
+        for case in cases:
+            try:
+                results.append(run(case))
+            except errors:
+                results.append(None)
+        return results
+    finally:
+        dtensor_ext.install()
+
+
 def fix_status(op_name: str) -> str:
     """'fixed', 'not needed' or 'needs newer torch' for the torch fix of `op_name` ('aten::x.overload') in the
     default install."""
