@@ -25,8 +25,8 @@ _PRELOAD = ("torch", "torch.distributed.tensor", "dtensor_ext", "dtensor_ext.pol
 
 def rank_context():
     """The multiprocessing context ranks start in: forked from a server that imported torch (and the package, its
-    planner and transformers, where this process has them) once, so each rank skips the seconds of imports a spawned process
-    pays; a fresh process still, with no state of the caller's (no process group, no thread)."""
+    planner and transformers, where this process has them) once, so each rank skips the seconds of imports a
+    spawned process pays; a fresh process still, with no state of the caller's (no process group, no thread)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([name for name in _PRELOAD if name in sys.modules])
     return ctx
