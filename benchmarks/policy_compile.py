@@ -1,9 +1,9 @@
 """The applied plan under torch.compile, on Hugging Face models: graphs, graph breaks, values and collectives.
 
 For each model (`dtensor_ext.testing.hf_zoo`, tiny configs) and backend, on real gloo ranks: `parallelize(...,
-program=True)` with every linear column- or row-parallel (the plan derived and solved, as the tests' column/row
-YAML asks), one forward + backward compiled, against one device. Printed per case: the graphs dynamo handed to
-the backend, dynamo's graph-break count, the largest logits and gradient errors, and the gloo collectives the
+program=True)` under the shipped `linears_column_or_row` policy (every linear column- or row-parallel; the plan
+derived and solved), one forward + backward compiled, against one device. Printed per case: the graphs dynamo
+handed to the backend, dynamo's graph-break count, the largest logits and gradient errors, and the gloo collectives the
 compiled step ran (the profiler's events) beside those `print(plan)` lists.
 
     PYTHONPATH=. python benchmarks/policy_compile.py [--models llama qwen2 mixtral] [--backends aot_eager inductor]
@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-LINEARS = '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0", "1,1"]\n  replica_allowed: false\n'
-
 
 def _case(rank: int, name: str, backend: str, world: int) -> dict:
     import torch
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
 
+    from dtensor_ext.models import policy_text
     from dtensor_ext.policy import parallelize
     from dtensor_ext.testing import hf_zoo
 
@@ -31,7 +30,7 @@ def _case(rank: int, name: str, backend: str, world: int) -> dict:
     ids, _ = hf_zoo.sample_batch()
     expected = reference(ids).logits
     expected.square().mean().backward()
-    parallelize(model, init_device_mesh("cpu", (world,)), (ids,), constraints=LINEARS, program=True)
+    parallelize(model, init_device_mesh("cpu", (world,)), (ids,), constraints=policy_text("linears_column_or_row"), program=True)
     graphs = []
 
     def counting(gm, example_inputs):

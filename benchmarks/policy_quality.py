@@ -4,7 +4,7 @@ For each model (tiny random weights, fp32) and mesh (1-D of 4, 2x2 named (dp, tp
 token cross-entropy on simulated ranks, with three plans:
 
   (a) search   - the mesh only, no constraints: the solver plans everything;
-  (b) yaml     - the shipped-style YAML (linears column- or row-parallel, never replicated);
+  (b) yaml     - the shipped `linears_column_or_row` YAML (linears column- or row-parallel, never replicated);
   (c) hand     - torchtitan's TP plan with torch's ParallelStyles on 'tp' (Colwise q/k/v/gate/up, Rowwise o/down,
                  lm_head Colwise gathered); on 2x2 each dp rank takes its half of the batch and the gradients are
                  all-reduced over dp, as DDP does.
@@ -38,16 +38,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dtensor_ext  # noqa: F401
 from dtensor_ext._compat import funcol, local_tensor_values
+from dtensor_ext.models import policy_text
 from dtensor_ext.policy import PolicyError, build_plan, parallelize
 from dtensor_ext.policy import candidates
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.tools.comm_stats import CommStatsMode
 
-YAML = """\
-- name: torch.nn.functional.linear
-  allowed_partition_dims: ["1,0", "1,1"]
-  replica_allowed: false
-"""
+YAML = policy_text("linears_column_or_row")
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)

@@ -23,11 +23,7 @@ from dtensor_ext.policy import build_plan, parallelize
 from dtensor_ext.testing import simulated_mesh
 from dtensor_ext.testing.mesh import local_values
 
-LINEARS = """\
-- name: torch.nn.functional.linear
-  allowed_partition_dims: ["1,0", "1,1"]
-  replica_allowed: false
-"""
+LINEARS = policy_text("linears_column_or_row")
 
 
 def tiny_llama():

@@ -78,6 +78,6 @@ def test_config_names_the_bad_field(field, kwargs):
 
 
 def test_unknown_policy_lists_the_shipped_ones():
-    shipped = r"\['hf_llama_tp', 'hf_moe_tp', 'llama_tp_sp', 'moe_expert_sum'\]"
+    shipped = r"\['hf_llama_tp', 'hf_moe_tp', 'linears_column_or_row', 'llama_tp_sp', 'moe_expert_sum'\]"
     with pytest.raises(ValueError, match=f"expected one of {shipped}"):
         policy_path("nope")

@@ -21,7 +21,7 @@ from tests.policy.test_meta_planning import _Branches
 hf_zoo = pytest.importorskip("dtensor_ext.testing.hf_zoo")
 
 LLAMA_TP_YAML = policy_text("llama_tp_sp")
-HF_LINEARS = '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0", "1,1"]\n  replica_allowed: false\n'
+HF_LINEARS = policy_text("linears_column_or_row")
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
