@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from dtensor_ext._compat import current_local_tensor_mode, outside_simulated_ranks, quiet_redistribute_warnings
 from dtensor_ext.policy.candidates import Candidate, CandidateCache, NodeOptions, local_shape, operand_tensors, splits
@@ -96,6 +96,7 @@ def build_plan(
     optimality_gap: float = EXACT,
     warn_unused: bool = False,
     fake_trace: bool | None = None,
+    held_params: dict[str, tuple] | None = None,
 ) -> Plan:
     """Trace ``model(*example_inputs)``, filter DTensor's candidates by YAML constraints (a path, YAML text or
     Constraint objects; or a plan users already write, read as constraints by ``policy.scopes.as_constraints``: a
@@ -113,7 +114,9 @@ def build_plan(
     plan reports the gap it reached.
     ``fake_trace``: trace on fake tensors (no flop computed, and the program ``torch.compile`` runs: a model that
     asks whether it is traced, as Hugging Face's do, takes its traced path) rather than one eager forward; None
-    (the default): on fake tensors exactly where a parameter, buffer or input is on the meta device."""
+    (the default): on fake tensors exactly where a parameter, buffer or input is on the meta device.
+    ``held_params``: {parameter name: placements} the plan must hold those parameters at (a plan for another call
+    of a model whose parameters are already distributed: policy.program plans each new call signature so)."""
     if constraints is not None and policy is not None:
         raise PolicyError("build_plan", "constraints/policy", "both",
                           "at most one of constraints= (YAML) or policy= (a generator of OpPlan)")
@@ -141,8 +144,15 @@ def build_plan(
     if isinstance(optimality_gap, bool) or not isinstance(optimality_gap, (int, float)) or not (
             0 <= optimality_gap < 1):
         raise PolicyError("build_plan", "optimality_gap", optimality_gap, "a fraction in [0, 1), e.g. 0.02")
+    names = dict(model.named_parameters())
+    for name, placements in (held_params or {}).items():
+        if name not in names:
+            raise PolicyError("build_plan", "held_params", name, "names of the model's parameters")
+        if not isinstance(placements, (tuple, list)) or len(placements) != mesh.ndim:
+            raise PolicyError("build_plan", f"held_params[{name!r}]", placements,
+                              f"one placement per mesh dim ({mesh.ndim})")
     ops, params, cost, shared, gap = _derive(graph, mesh, requirements, cost_model or IdealCostModel(),
-                                             memory_budget, share_layers, float(optimality_gap))
+                                             memory_budget, share_layers, float(optimality_gap), held_params or {})
     if all(_replicated(p) for p in params.values()) and all(
             _replicated(p) for op in ops for p in (*op.inputs, *op.outputs)):
         raise PolicyError("build_plan", "<plan>", "every op and parameter replicated",
@@ -304,7 +314,8 @@ STATE_COPIES = 4
 
 
 def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, list[Requirement]], cost_model,
-            memory_budget: int | None = None, share_layers: bool = True, optimality_gap: float = EXACT):
+            memory_budget: int | None = None, share_layers: bool = True, optimality_gap: float = EXACT,
+            held: dict[str, tuple] | None = None):
     """Each op's candidates on the whole mesh (combinations of its per-dim candidates, filtered by the
     constraints), one exact solve over all of them (every mesh dim at once), then the per-op placements.
 
@@ -324,7 +335,7 @@ def _derive(graph: GraphView, mesh: DeviceMesh, requirements: dict[int, list[Req
             producers[tid] = (node.index, o)
     sources = sorted({tid for node in graph.nodes for tid in node.operand_ids if tid not in producers})
     differentiated = _differentiated(graph)
-    pins = _parameter_pins(graph, requirements)
+    pins = _parameter_pins(graph, requirements, held or {})
     found = [_node_candidates(node, mesh, cache, requirements.get(node.index, []), graph, differentiated)
              for node in graph.nodes]
     candidates = [kept for kept, _, _ in found]
@@ -400,7 +411,7 @@ def _prove(node: OpNode, proofs: list, candidates: list[list[Candidate]], requir
 
 def _problem(graph: GraphView, mesh: DeviceMesh, candidates: list[list[Candidate]], work: list[NodeOptions],
              sources: list[int], producers: dict, model, moves: dict, memory_budget: int | None,
-             share_layers: bool, pins: dict[int, dict[int, Shard]]):
+             share_layers: bool, pins: dict[int, dict[int, Placement]]):
     """The HiGHS model: a row of options per op (its candidates), per source (a parameter's placements; inputs
     replicated) and for the outputs (replicated); the dataflow edges with their N-D move prices; a gradient
     reduction per value and mesh dim; the memory budget over what each choice holds; the middle repeated layers
@@ -477,19 +488,22 @@ def _no_combination(node: OpNode, requirement: Requirement | None, mesh: DeviceM
                                                f"{', '.join(map(fmt, refused.inputs))}: {why.rstrip('.')})")
 
 
-def _parameter_pins(graph: GraphView, requirements: dict[int, list[Requirement]]) -> dict[int, dict[int, Shard]]:
-    """Parameter trace id -> {mesh dim: the Shard it is held at}, from the requirements that hold what they read."""
-    pins: dict[int, dict[int, Shard]] = {}
-    by: dict[tuple[int, int], str] = {}
+def _parameter_pins(graph: GraphView, requirements: dict[int, list[Requirement]],
+                    held: dict[str, tuple]) -> dict[int, dict[int, Placement]]:
+    """Parameter trace id -> {mesh dim: the placement it is held at}: `held` (build_plan's held_params) and the
+    requirements that hold what they read."""
+    pins: dict[int, dict[int, Placement]] = {tid: dict(enumerate(held[name])) for tid, name in graph.params.items()
+                                             if name in held}
+    by = {(tid, m): f"held_params[{graph.params[tid]!r}]" for tid, dims in pins.items() for m in dims}
     for index, r in ((index, r) for index, rs in requirements.items() for r in rs):
         for slot, dim in r.allowed if r.holds else ():
             tid = graph.nodes[index].operand_ids[slot]
             for m in r.mesh_dims if tid in graph.params else ():
-                held = pins.setdefault(tid, {}).setdefault(m, Shard(dim))
-                if held != Shard(dim):
+                there = pins.setdefault(tid, {}).setdefault(m, Shard(dim))
+                if there != Shard(dim):
                     raise PolicyError(r.source, r.field, list(r.shown),
                                       f"one placement for {graph.params[tid]} on mesh dim {m}; {by[tid, m]} holds "
-                                      f"it at {held}")
+                                      f"it at {there}")
                 by.setdefault((tid, m), r.source)
     return pins
 
@@ -672,19 +686,28 @@ def parallelize(
     plan says for a module, torch's ``parallelize_module`` applies it instead (``styles=False``: never). Returns
     the module, whose outputs are full (replicated) tensors; the applied plan is ``model.policy_plan``.
     ``program=True`` replaces the model's forward by the traced program, replayed op by op with the planned moves
-    (policy.program: what torch.compile traces into one graph; the plan is traced on fake tensors, the inputs
-    must have the traced shapes, and no ParallelStyle is used)."""
+    (policy.program: what torch.compile traces into one graph; the plan is traced on fake tensors and no
+    ParallelStyle is used; a call of other shapes or arguments is planned when it first comes, with the parameters
+    held as distributed: ``model.policy_plan.other_calls``)."""
     from dtensor_ext.policy.interpreter import PlanExecutor
     from dtensor_ext.policy.program import PlanProgram
     from dtensor_ext.policy.styles import apply_styles, proven_styles
 
-    if plan is None:
-        plan = build_plan(model, mesh, example_inputs, constraints=constraints, policy=policy, cfg=cfg,
-                          cost_model=cost_model, memory_budget=memory_budget, share_layers=share_layers,
-                          optimality_gap=optimality_gap, warn_unused=warn_unused, fake_trace=True if program else None)
+    if constraints is not None and not isinstance(constraints, (str, os.PathLike, dict)):
+        constraints = list(constraints)  # read again for each call signature the program plans
+
+    def plan_for(inputs, held_params=None):
+        return build_plan(model, mesh, inputs, constraints=constraints, policy=policy, cfg=cfg, cost_model=cost_model,
+                          memory_budget=memory_budget, share_layers=share_layers, optimality_gap=optimality_gap,
+                          warn_unused=warn_unused, fake_trace=True if program else None, held_params=held_params)
+
+    plan = plan_for(example_inputs) if plan is None else plan
     plan.styles = proven_styles(plan) if styles and not program else {}
     apply_styles(model, plan, plan.styles)
-    (PlanProgram if program else PlanExecutor)(plan).install(model)
+    if program:
+        PlanProgram(plan, plan_for).install(model, example_inputs)
+    else:
+        PlanExecutor(plan).install(model)
     for fqn, pre, post in plan.hooks:
         module = model.get_submodule(fqn)
         if pre is not None:

@@ -49,7 +49,8 @@ class PlanExecutor:
         self.mesh = plan.mesh
         self.position = 0
         self.running = False
-        self.reduced: dict[int, tuple[DTensor, DTensor]] = {}  # id(partial value) -> (it, its first reduction)
+        # id(partial value) -> (it, its first reduction, where that reduction put it)
+        self.reduced: dict[int, tuple[DTensor, DTensor, tuple]] = {}
         # id(tensor) -> (it, what the trace reads in its place): an op that returns its input object unchanged
         # (`x.to(torch.float32)` on float32, `contiguous()` on a contiguous x) gave the traced tensor a new version
         # that every later reader of the object reads, but here it returned the input moved to the planned
@@ -144,20 +145,22 @@ class PlanExecutor:
             if isinstance(param, DTensor) and param.requires_grad:
                 param.register_hook(functools.partial(_reduced_gradient, list(param.placements)))
 
-    def _move(self, d: DTensor, target, key=None, reduced: dict | None = None) -> DTensor:
+    def _move(self, d: DTensor, target, key=None, reduced: dict | None = None, at: tuple | None = None) -> DTensor:
         """Redistribute; a Partial value read by several ops is reduced once (DTensor's masked partials, e.g. a
         vocab-sharded embedding's, can be reduced only once), later readers start from that reduction. `key` names
         the value (the program's trace id; the interpreter's is the object's identity); `reduced` holds the
-        reductions of this call (the interpreter's own table by default)."""
+        reductions of this call (the interpreter's own table by default); `at`: the value's placements where the
+        caller knows them (the program: from the plan, so that torch.compile need not read them off the value)."""
         key, reduced = id(d) if key is None else key, self.reduced if reduced is None else reduced
-        if tuple(d.placements) == tuple(target):
+        at = tuple(d.placements) if at is None else tuple(at)
+        if at == tuple(target):
             return d
-        if not any(p.is_partial() for p in d.placements):
+        if not any(p.is_partial() for p in at):
             return move_for_reading(d, target)
         if key in reduced:
-            return self._move(reduced[key][1], target, ("reduced", key), reduced)
+            return self._move(reduced[key][1], target, ("reduced", key), reduced, reduced[key][2])
         moved = move_for_reading(d, target)
-        reduced[key] = (d, moved)
+        reduced[key] = (d, moved, tuple(target))
         return moved
 
     def run(self, k: int, func, args, kwargs):

@@ -65,6 +65,9 @@ class Plan:
     deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
     # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
     styles: dict | None = None
+    # parallelize(program=True): the plans of the call signatures met after the traced one, each planned when it
+    # first came with the parameters held where this plan put them (policy.program), by the call's arguments
+    other_calls: dict[str, Plan] = field(default_factory=dict)
 
     def held(self, tid: int) -> tuple:
         """The placements a value has where it was made: its producer's solved output, a parameter's solved

@@ -7,16 +7,18 @@ replay made for it (a parameter, a buffer or an input wrapped as Replicate, an e
 interpreter moves it (`PlanExecutor.run`: a Partial value reduced once for all its readers, grouped reads), with
 values looked up by trace id rather than by object identity, which torch.compile cannot trace. What runs is the
 traced program, straight-line: the Python around the ops (shapes, branches, a mask's construction) was decided
-by the trace, as `torch.export` decides it, so the inputs must have the traced shapes, and a tensor the trace did
-not take (a `labels=` it was not given) is a PolicyError that names it. A model traced on fake tensors (planned
-from the meta device) replays the program its fake trace recorded: Hugging Face's compiled path, with explicit
-masks.
+by the trace, as `torch.export` decides it. So a program belongs to one call signature (each argument's shape,
+dtype and Python value): a call of another signature (other shapes, a `labels=` the plan was not traced with) is
+traced on fake tensors and planned when it first comes, with every parameter held where the first plan put it,
+and replayed from then on (`plan.other_calls`), as torch.compile compiles again for new shapes. A model traced on
+fake tensors (planned from the meta device) replays the program its fake trace recorded: Hugging Face's compiled
+path, with explicit masks.
 """
-
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,46 +40,56 @@ class PlanProgram(PlanExecutor):
     op (which values it reads, where their tensors sit in its arguments, the planned placements, which reads are
     grouped) is worked out once at install; a call only looks values up by trace id."""
 
-    def install(self, model: torch.nn.Module) -> None:
-        plan, graph = self.plan, self.plan.graph
-        if graph.output_template is None:
-            raise PolicyError("parallelize", "program", True, "a plan traced by this version of build_plan")
-        if plan.hooks or plan.recompute_groups:
-            raise PolicyError("parallelize", "program", True, "a plan without module hooks or recompute groups "
-                              "(the replay calls no module: run such a plan with program=False)")
-        read = next((node for node in graph.nodes if node.reads_values), None)
-        if read is not None:
-            raise PolicyError(str(read), "program", "a call that reads a tensor's values into Python",
-                              "a trace without such reads: the replay would keep what the trace read for every "
-                              "later input; plan on fake tensors (build_plan(fake_trace=True), which names such a "
-                              "read) or run the plan with program=False")
+    def __init__(self, plan, replan: Callable | None = None):
+        super().__init__(plan)
+        # (positional inputs, {parameter: placements}) -> the plan of another call signature (parallelize's)
+        self.replan = replan
+        self.programs: dict[tuple, PlanProgram] = {}  # call key -> its program (this one for the traced call)
+
+    def install(self, model: torch.nn.Module, example_inputs) -> None:
+        _check_replayable(self.plan)
         self._distribute_parameters(model)
-        signature = inspect.signature(model.forward)
-        self.model = model
-        self.inputs = _input_slots(signature, graph.module_calls[""])
-        self.shapes = {tid: tuple(graph.tensors[tid].shape) for tid in self.inputs.values()}
-        written = set(last_writes(graph))
-        self.steps = [self._step_of(op, written) for op in plan.ops]
-        known = set(graph.params) | set(graph.buffers) | set(self.inputs.values())
-        produced = {tid for node in graph.nodes for tid in node.output_ids}
-        for node in graph.nodes:
-            for tid in node.operand_ids:
-                if tid not in known and tid not in produced:
-                    raise PolicyError(str(node), "program", f"a tensor the trace met as a constant (trace id {tid})",
-                                      "operands that are inputs, parameters, buffers or op outputs: a tensor the "
-                                      "forward reads from elsewhere (a plain attribute) has no place in the replay; "
-                                      "register it as a buffer")
-        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(graph.output_template)):
-            raise PolicyError("parallelize", "program", "an output the trace did not make (no traced op read it)",
-                              "outputs the replay makes: return values the forward computes, or run the plan with "
-                              "program=False")
-        forward, bind = model.forward, signature.bind
+        forward, signature = model.forward, inspect.signature(model.forward)
+        defaults = {name: p.default for name, p in signature.parameters.items()}
+        self._prepare(model, signature)
+        self.programs[_call_key(signature.bind(*example_inputs).arguments, defaults)] = self
 
         @functools.wraps(forward)
         def replayed_forward(*args, **kwargs):
-            return self._replay(bind(*args, **kwargs).arguments)
+            arguments = signature.bind(*args, **kwargs).arguments
+            key = _call_key(arguments, defaults)
+            program = self.programs.get(key)
+            if program is None:
+                program = self._program_for(key, arguments, forward, signature)
+            return program._replay(arguments)
 
         model.forward = replayed_forward
+
+    def _prepare(self, model: torch.nn.Module, signature: inspect.Signature) -> None:
+        """Everything the replay decides per op, worked out once."""
+        graph = self.plan.graph
+        self.model = model
+        self.inputs = _input_slots(signature, graph.module_calls[""])
+        written = set(last_writes(graph))
+        self.steps = [self._step_of(op, written) for op in self.plan.ops]
+
+    @torch.compiler.disable  # planning is Python work on fake tensors, never part of a compiled step
+    def _program_for(self, key: tuple, arguments: dict, forward: Callable, signature: inspect.Signature):
+        """The program of a call signature the plan was not traced with: the call traced on fake tensors (the
+        model's own forward) and planned with every parameter held as distributed."""
+        inputs = _positional(arguments, signature)
+        held = {name: tuple(p.placements) for name, p in self.model.named_parameters() if isinstance(p, DTensor)}
+        replayed, self.model.forward = self.model.forward, forward
+        try:
+            plan = self.replan(inputs, held)
+        finally:
+            self.model.forward = replayed
+        _check_replayable(plan)
+        program = PlanProgram(plan)
+        program._prepare(self.model, signature)
+        self.programs[key] = program
+        self.plan.other_calls[_described_call(arguments)] = plan
+        return program
 
     def _step_of(self, op, written: set) -> _Step:
         node, graph = op.node, self.plan.graph
@@ -86,8 +98,8 @@ class PlanProgram(PlanExecutor):
         slots = tuple((k, where[id(leaf)]) for k, leaf in enumerate(flat)
                       if isinstance(leaf, torch.Tensor) and id(leaf) in where)
         replicate = (Replicate(),) * self.mesh.ndim
-        reads = tuple((tid, replicate if op.local else tuple(target), self.groups.get((node.index, slot)))
-                      for slot, (tid, target) in enumerate(zip(node.operand_ids, op.inputs)))
+        reads = tuple((tid, replicate if op.local else tuple(target), self.groups.get((node.index, slot)),
+                       self.plan.held(tid)) for slot, (tid, target) in enumerate(zip(node.operand_ids, op.inputs)))
         # an output written in place later gets its gradient hook (a custom Function's view cannot be written)
         hooked = tuple(graph.storage(tid) in written for tid in node.output_ids)
         return _Step(node, tuple(flat), spec, slots, reads, hooked)
@@ -100,18 +112,8 @@ class PlanProgram(PlanExecutor):
             env[tid] = self.model.get_parameter(name)
         for tid, name in graph.buffers.items():
             env[tid] = _replicated(self.model.get_buffer(name), mesh, replicate)
-        for name, value in bound.items():
-            if isinstance(value, torch.Tensor) and name not in self.inputs:
-                raise PolicyError("the applied plan's forward", name, "a tensor",
-                                  "the arguments the plan was traced with: it was planned without this one "
-                                  f"(plan again with {name}= among the example inputs)")
-        for name, tid in self.inputs.items():
-            value = bound.get(name)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != self.shapes[tid]:
-                raise PolicyError("the applied plan's forward", name, _described(value),
-                                  f"a tensor of shape {list(self.shapes[tid])}, as traced (the replayed program "
-                                  "is the traced one: plan again for other shapes)")
-            env[tid] = _replicated(value, mesh, replicate)
+        for name, tid in self.inputs.items():  # the call's key is the traced one: the same tensors and shapes
+            env[tid] = _replicated(bound[name], mesh, replicate)
         # this call's reductions and read groups, by trace id: local, not the executor's tables (a tensor kept on
         # an object would leave torch.compile's graph as an output whose gradient never comes)
         reduced, grouped = {}, {}
@@ -122,20 +124,19 @@ class PlanProgram(PlanExecutor):
     def _run_step(self, k: int, step: _Step, env: dict, replicate: list, reduced: dict, grouped: dict) -> None:
         op = self.plan.ops[k]
         values = {}
-        for tid, target, group in step.reads:
+        for tid, target, group, held in step.reads:
             value, key = env[tid], tid
             if group is not None:
                 key = (tid, group)
                 if key not in grouped:
                     grouped[key] = read_in_group(value, group[1])
                 value = grouped[key]
-            values[tid] = self._move(value, target, key, reduced)
+            values[tid] = self._move(value, target, key, reduced, held)
         flat = list(step.flat)
         for position, tid in step.slots:
             flat[position] = values[tid].to_local() if op.local else values[tid]
         args, kwargs = pytree.tree_unflatten(flat, step.spec)
-        out = step.node.fn(*args, **kwargs)
-        outs = op_outputs(step.node.fn, args, out)
+        outs = op_outputs(step.node.fn, args, step.node.fn(*args, **kwargs))
         for tid, o, hooked, planned in zip(step.node.output_ids, outs, step.hooked, op.outputs):
             if op.local:
                 o = _replicated(o, self.mesh, replicate)
@@ -153,7 +154,8 @@ class PlanProgram(PlanExecutor):
 @dataclass(frozen=True)
 class _Step:
     """One traced op as the replay runs it: its arguments flattened (traced tensors at `slots`: position, trace
-    id), what it reads (trace id, planned placements, its read group or None) and which outputs get a hook."""
+    id), what it reads (trace id, planned placements, its read group or None, the placements the plan holds it at)
+    and which outputs get a hook."""
 
     node: object
     flat: tuple
@@ -185,6 +187,74 @@ def _replicated(t: torch.Tensor, mesh, replicate: list) -> DTensor:
     return DTensor.from_local(t, mesh, replicate, run_check=False, shape=t.shape, stride=t.stride())
 
 
+def _check_replayable(plan) -> None:
+    """What a replay cannot run is refused by name."""
+    graph = plan.graph
+    if graph.output_template is None:
+        raise PolicyError("parallelize", "program", True, "a plan traced by this version of build_plan")
+    if plan.hooks or plan.recompute_groups:
+        raise PolicyError("parallelize", "program", True, "a plan without module hooks or recompute groups "
+                          "(the replay calls no module: run such a plan with program=False)")
+    read = next((node for node in graph.nodes if node.reads_values), None)
+    if read is not None:
+        raise PolicyError(str(read), "program", "a call that reads a tensor's values into Python",
+                          "a trace without such reads: the replay would keep what the trace read for every "
+                          "later input; plan on fake tensors (build_plan(fake_trace=True), which names such a "
+                          "read) or run the plan with program=False")
+    known = set(graph.params) | set(graph.buffers) | set(graph.module_calls[""].arg_ids) | set(
+        graph.module_calls[""].kwarg_ids.values())
+    produced = {tid for node in graph.nodes for tid in node.output_ids}
+    for node in graph.nodes:
+        for tid in node.operand_ids:
+            if tid not in known and tid not in produced:
+                raise PolicyError(str(node), "program", f"a tensor the trace met as a constant (trace id {tid})",
+                                  "operands that are inputs, parameters, buffers or op outputs: a tensor the "
+                                  "forward reads from elsewhere (a plain attribute) has no place in the replay; "
+                                  "register it as a buffer")
+    if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(graph.output_template)):
+        raise PolicyError("parallelize", "program", "an output the trace did not make (no traced op read it)",
+                          "outputs the replay makes: return values the forward computes, or run the plan with "
+                          "program=False")
+
+
+def _call_key(arguments: dict, defaults: dict) -> tuple:
+    """What decides a call's traced program: each argument given other than as its default, a tensor by its shape,
+    dtype and whether it requires a gradient (its values are the replay's to feed), a Python value by itself."""
+    return tuple((name, _value_key(name, value)) for name, value in arguments.items()
+                 if value is not None and value is not defaults.get(name))
+
+
+def _value_key(name: str, value):
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype, value.requires_grad
+    if isinstance(value, (bool, int, float, str, torch.dtype)):
+        return type(value).__name__, value
+    if isinstance(value, (tuple, list)):
+        return tuple(_value_key(name, v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _value_key(name, v)) for k, v in value.items())
+    raise PolicyError("the applied plan's forward", name, f"an instance of {type(value).__qualname__}",
+                      "tensors or plain Python values (bool, int, float, str, a dtype; tuples, lists and dicts of "
+                      "them): a call's shapes and values decide which traced program it replays")
+
+
+def _positional(arguments: dict, signature: inspect.Signature) -> tuple:
+    """The call's arguments as the positional inputs a trace takes (defaults in the gaps)."""
+    params = list(signature.parameters.values())
+    last = max((k for k, p in enumerate(params) if p.name in arguments), default=-1)
+    for p in params[:last + 1]:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name in arguments:
+            raise PolicyError("the applied plan's forward", p.name, _described(arguments[p.name]),
+                              "arguments forward takes by position: a call of a new signature is traced with its "
+                              "arguments passed by position")
+    return tuple(arguments.get(p.name, p.default) for p in params[:last + 1])
+
+
+def _described_call(arguments: dict) -> str:
+    """The call's arguments as `plan.other_calls` names them: tensors by shape, Python values as written."""
+    return ", ".join(f"{name}={list(value.shape) if isinstance(value, torch.Tensor) else repr(value)}"
+                     for name, value in arguments.items() if value is not None)
+
+
 def _described(value) -> str:
     return f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)[:80]
-

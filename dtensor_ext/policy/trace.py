@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from dtensor_ext._compat import (TorchDispatchMode, fake_tensor_mode, local_tensor_values, pytree, storage_key,
@@ -424,9 +425,9 @@ def on_meta(model: torch.nn.Module, example_inputs: Sequence[object]) -> bool:
 
 
 def _fake_like(t: torch.Tensor, mode) -> torch.Tensor:
-    """A fake tensor for `t`: a meta tensor's shape, strides and dtype on the CPU (fake tensors of one device
-    meet in every op), any other tensor as `mode` converts it."""
-    if not t.is_meta:
+    """A fake tensor for `t`: a meta tensor's or a DTensor's (global) shape, strides and dtype on the CPU (fake
+    tensors of one device meet in every op), any other tensor as `mode` converts it."""
+    if not t.is_meta and not isinstance(t, DTensor):
         return mode.from_tensor(t)
     fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
     return fake.requires_grad_(t.requires_grad) if fake.is_floating_point() or fake.is_complex() else fake

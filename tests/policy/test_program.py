@@ -83,13 +83,38 @@ def test_the_replay_runs_the_listed_collectives_under_other_tools_hooks(hf_llama
     assert not plan.deviations
 
 
-def test_what_the_replay_cannot_run_is_refused_by_name(hf_llama_program):
-    model, _, ids, labels = hf_llama_program
-    with pytest.raises(PolicyError, match="field 'labels' got 'a tensor'; expected the arguments the plan was traced"):
-        model(ids, labels=labels)
-    with pytest.raises(PolicyError, match=r"field 'input_ids' got 'a tensor of shape \[2, 8\]'; expected a tensor "
-                                          r"of shape \[2, 16\], as traced"):
-        model(ids[:, :8])
+def test_a_call_of_another_signature_is_planned_when_it_comes_with_the_parameters_held(hf_llama_program):
+    """Planned from `(ids,)`: a call with `labels=` and one with half the sequence each get their own traced program
+    (planned at their first call, the parameters held where they are) and equal one device; a second call of a
+    signature replays its program without planning again."""
+    model, reference, ids, labels = hf_llama_program
+    plan = model.policy_plan
+    for call in ({"input_ids": ids, "labels": labels}, {"input_ids": ids[:, :8]}):
+        expected = reference(**call)
+        (expected.loss if "labels" in call else expected.logits.square().mean()).backward()
+        for _ in range(2):
+            out = model(**call)
+            assert_every_rank_matches(out.logits, expected.logits)
+        (out.loss if "labels" in call else out.logits.square().mean()).backward()
+        if "labels" in call:
+            assert_every_rank_matches(out.loss, expected.loss)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert_every_rank_matches(p.grad.full_tensor(), q.grad)
+            p.grad, q.grad = None, None
+    assert list(plan.other_calls) == ["input_ids=[2, 16], labels=[2, 16]", "input_ids=[2, 8]"]
+    for other, traced in zip(plan.other_calls.values(), ([[2, 16], [2, 16]], [[2, 8]])):
+        root = other.graph.module_calls[""]
+        assert [list(other.graph.tensors[tid].shape) for tid in root.arg_ids if tid is not None] == traced
+        assert other.params == {name: plan.params[name] for name in other.params}
+        assert not other.deviations
+    assert not plan.deviations
+
+
+def test_what_the_replay_cannot_key_is_refused_by_name(hf_llama_program):
+    model, _, ids, _ = hf_llama_program
+    with pytest.raises(PolicyError, match=r"field 'past_key_values' got 'an instance of object'; expected tensors or "
+                                          r"plain Python values"):
+        model(ids, past_key_values=object())
 
 
 def _gloo_collectives(step) -> Counter:
@@ -105,8 +130,10 @@ def _compiled_step(rank: int, name: str) -> dict:
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
 
+    from torch._dynamo.utils import counters
+
     reference, model = hf_zoo.tiny_model(name), hf_zoo.tiny_model(name)
-    ids, _ = hf_zoo.sample_batch()
+    ids, labels = hf_zoo.sample_batch()
     expected = reference(ids).logits
     expected.square().mean().backward()
     mesh = init_device_mesh("cpu", (2,))
@@ -123,25 +150,39 @@ def _compiled_step(rank: int, name: str) -> dict:
     torch._dynamo.reset()
     compiled, out = torch.compile(model, backend=counting), []
     ran = _gloo_collectives(lambda: out.append(compiled(ids).logits) or out[0].square().mean().backward())
-    return dict(graphs=len(graphs), logits=float((out[0] - expected).abs().max()),
-                grads=max(float((p.grad.full_tensor() - q.grad).abs().max())
-                          for p, q in zip(model.parameters(), reference.parameters())),
-                eager=eager, compiled=ran, grads_partial=[n for n, p in model.named_parameters()
-                                                           if any(x.is_partial() for x in p.grad.placements)],
-                listed=Counter(kind for kind, _ in (*plan.forward_collectives(), *plan.backward_collectives())))
+    result = dict(graphs=len(graphs), logits=float((out[0] - expected).abs().max()),
+                  grads=max(float((p.grad.full_tensor() - q.grad).abs().max())
+                            for p, q in zip(model.parameters(), reference.parameters())),
+                  eager=eager, compiled=ran, grads_partial=[n for n, p in model.named_parameters()
+                                                             if any(x.is_partial() for x in p.grad.placements)],
+                  listed=Counter(kind for kind, _ in (*plan.forward_collectives(), *plan.backward_collectives())))
+    if name == "llama":  # a call of another signature: planned at its first call (one break there), then one graph
+        loss = reference(ids, labels=labels).loss
+        result["labels_calls"] = []
+        for _ in range(2):
+            before, breaks = len(graphs), sum(counters["graph_break"].values())
+            got = compiled(ids, labels=labels).loss
+            result["labels_calls"].append((len(graphs) - before, sum(counters["graph_break"].values()) - breaks,
+                                           float((got - loss).abs())))
+    return result
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_the_replayed_plan_compiles_into_one_graph_on_gloo_ranks(name):
     """One graph, equal to one device, and running, eager and compiled, the collectives the plan lists (under
     torch.compile the backward once reduced Partial gradients where DTensor met them, not where the plan does).
-    Mixtral's router normalizes its top-k weights in place (`router_top_value /= ...`): an output written later,
-    whose gradient the program brings by a tensor hook (a tensor hook that read the gradient's placements broke
-    the graph there, and the graph that followed failed in AOT autograd's alias replay: `as_strided` of a
-    DTensor)."""
+    Llama then takes `labels=`, a signature it was not planned for: planned at that call (the one graph break),
+    one graph from its second call on. Mixtral's router normalizes its top-k weights in place (`router_top_value
+    /= ...`): an output written later, whose gradient the program brings by a tensor hook (a tensor hook that read
+    the gradient's placements broke the graph there, and the graph that followed failed in AOT autograd's alias
+    replay: `as_strided` of a DTensor)."""
     for rank, result in run_ranks(_compiled_step, name, world=2, timeout_s=400).items():
         assert result["graphs"] == 1, (rank, result)  # one graph: no graph break
         assert result["logits"] < 1e-5 and result["grads"] < 1e-4, (rank, result)
         assert result["listed"]["all_reduce"], result  # the plan reduces gradients: a case that tells
         assert result["eager"] == result["listed"] and result["compiled"] == result["listed"], (rank, result)
         assert not result["grads_partial"], (rank, result)
+        if name == "llama":
+            (graphs, breaks, error), (graphs_again, breaks_again, error_again) = result["labels_calls"]
+            assert breaks == 1 and graphs_again == 1 and breaks_again == 0, (rank, result)
+            assert error < 1e-5 and error_again < 1e-5, (rank, result)
