@@ -28,11 +28,11 @@ and priced by the same cost model, and each line gives the modelled step against
   ep      torchtitan's expert parallelism for MoE models: each grouped GEMM runs only its rank's experts (YAML
           `torch._grouped_mm: ["1,0"]`, the stacked weights' expert dim, on 'ep': the whole mesh when 1-D, on a
           2-D mesh named (dp, ep) with every linear data parallel on 'dp': EP+FSDP). DTensor's `_grouped_mm` rule
-          has no expert-dim split for Hugging Face's 2-D tokens x 3-D weights (only hidden-dim splits), so on torch
+          has no expert-dim split for Hugging Face's 2-D tokens x 3-D weights (only feature-dim splits), so on torch
           2.13 the constraint is refused and the line gives the PolicyError instead of a step;
   ep-held transformers' own EP plan (`model_plans(model, ep=True)`'s ep_plan: the experts' stacked weights held
           Shard(0) on 'ep', as `grouped_gemm` says), on 2-D with every linear data parallel on 'dp'; where the
-          grouped GEMMs read the weights (gathered, or moved to a hidden-dim split) is the solver's, since
+          grouped GEMMs read the weights (gathered, or moved to a feature-dim split) is the solver's, since
           transformers' token dispatch (`ep_dispatch_experts`) is hand-written communication no constraint states.
 
 What a hand plan leaves open (the ops between its layers, where parameters are held on 'dp') is solved, so each

@@ -39,7 +39,7 @@ def test_grouped_gemm_expert_split_without_a_proven_candidate_is_refused():
 def test_transformers_ep_plan_holds_the_experts_on_the_ep_dim_and_moves_them_to_the_grouped_gemm():
     """transformers' ep_plan (`grouped_gemm`: experts' stacked weights on dim 0) read on a (dp, ep) mesh: every
     expert weight is held Shard(0) on 'ep', and every grouped GEMM reads it otherwise, since DTensor splits a
-    2-D x 3-D grouped GEMM only on hidden dims (the real-scale benchmark's `ep-held` plan)."""
+    2-D x 3-D grouped GEMM only on feature dims (the real-scale benchmark's `ep-held` plan)."""
     model = hf_zoo.tiny_model("mixtral", use_cache=False)
     ids, _ = hf_zoo.sample_batch()
     with simulated_mesh((2, 2), mesh_dim_names=("dp", "ep")) as mesh:
