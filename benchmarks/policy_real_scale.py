@@ -13,8 +13,8 @@ it). The memory budget is the bytes per rank that fully sharded bf16 training st
 two Adam moments) would hold, times --budget (1.5), so that the plan must shard; --gap is build_plan's
 optimality_gap.
 
-Quality (--plans search tp fsdp): each case is planned once per plan, all under the same memory budget and priced
-by the same cost model, and each line gives the modelled step against the best of the case's plans:
+Quality (--plans search tp fsdp ep ep-held): each case is planned once per plan, all under the same memory budget
+and priced by the same cost model, and each line gives the modelled step against the best of the case's plans:
 
   search  the mesh only: the solver plans everything;
   tp      torchtitan's Llama TP plan (q/k/v/gate/up column-parallel, o/down row-parallel with sequence-sharded
@@ -24,11 +24,22 @@ by the same cost model, and each line gives the modelled step against the best o
           the solver's); for Mixtral the same on attention, embedding and lm_head (its experts are not nn.Linear:
           the solver places them);
   fsdp    every linear data parallel on every mesh dim (the batch split over the whole mesh; parameters held
-          where the budget needs, gathered where read: FSDP).
+          where the budget needs, gathered where read: FSDP);
+  ep      torchtitan's expert parallelism for MoE models: each grouped GEMM runs only its rank's experts (YAML
+          `torch._grouped_mm: ["1,0"]`, the stacked weights' expert dim, on 'ep': the whole mesh when 1-D, on a
+          2-D mesh named (dp, ep) with every linear data parallel on 'dp': EP+FSDP). DTensor's `_grouped_mm` rule
+          has no expert-dim split for Hugging Face's 2-D tokens x 3-D weights (only feature-dim splits), so on torch
+          2.13 the constraint is refused and the line gives the PolicyError instead of a step;
+  ep-held transformers' own EP plan (`model_plans(model, ep=True)`'s ep_plan: the experts' stacked weights held
+          Shard(0) on 'ep', as `grouped_gemm` says), on 2-D with every linear data parallel on 'dp'; where the
+          grouped GEMMs read the weights (gathered, or moved to a feature-dim split) is the solver's, since
+          transformers' token dispatch (`ep_dispatch_experts`) is hand-written communication no constraint states.
 
 What a hand plan leaves open (the ops between its layers, where parameters are held on 'dp') is solved, so each
 hand plan's line is its best completion under the budget: a lower bound on the hand plan's own step. DP needs a
-batch the mesh divides: --batch 8 for these runs.
+batch the mesh divides: --batch 8 for these runs. A plan the package refuses prints its refusal. Mixtral's experts
+run transformers' default `grouped_mm` implementation (the one the tiny zoo models run too); its eager per-expert
+loop cannot be traced on the meta device (`nonzero` depends on values).
 """
 
 from __future__ import annotations
@@ -70,6 +81,11 @@ DATA_PARALLEL = """\
   allowed_partition_dims: ["0,0"]
   replica_allowed: false
 """
+EXPERT_SPLIT = """\
+- name: torch._grouped_mm
+  allowed_partition_dims: ["1,0"]
+  replica_allowed: false
+"""
 
 
 def hand_constraints(kind: str, model, graph, mesh) -> list | None:
@@ -79,16 +95,22 @@ def hand_constraints(kind: str, model, graph, mesh) -> list | None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from dtensor_ext.policy.constraints import load_constraints
+    from dtensor_ext.policy.hf_plans import HFPlan, model_plans, read_hf_plan
     from dtensor_ext.policy.style_dicts import read_style_dict
 
     names = mesh.mesh_dim_names or ()
+    data_parallel = load_constraints(DATA_PARALLEL + "  mesh_dim: dp\n") if "dp" in names else []
     if kind == "search":
         return None
     if kind == "fsdp":
         return [c for m in names or (None,) for c in load_constraints(
             DATA_PARALLEL + (f"  mesh_dim: {m}\n" if m else ""))]
+    if kind == "ep":
+        return data_parallel + load_constraints(EXPERT_SPLIT + ("  mesh_dim: ep\n" if "ep" in names else ""))
+    if kind == "ep-held":
+        return data_parallel + read_hf_plan(HFPlan({}, model_plans(model, ep=True).ep), graph, mesh)
     if kind != "tp":
-        raise SystemExit(f"--plans: unknown plan {kind!r}; expected search, tp or fsdp")
+        raise SystemExit(f"--plans: unknown plan {kind!r}; expected search, tp, fsdp, ep or ep-held")
     # the norms' SequenceParallel is left out: a bf16 Hugging Face RMSNorm reads its input with a `.to` that its
     # output's `.to` shares a name with, which a style dict cannot scope (the refusal says so); the solver
     # chooses the norms' placements, sequence-sharded where that is cheaper
@@ -99,10 +121,7 @@ def hand_constraints(kind: str, model, graph, mesh) -> list | None:
     if hasattr(model.model.layers[0].mlp, "up_proj"):  # dense: torchtitan's feed-forward
         styles.update({"model.layers.*.mlp.[gu][ap]*_proj": ColwiseParallel(),
                        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
-    found = read_style_dict(styles, graph, mesh)
-    if "dp" in names:
-        found += load_constraints(DATA_PARALLEL + "  mesh_dim: dp\n")
-    return found
+    return read_style_dict(styles, graph, mesh) + data_parallel
 
 
 def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, seq: int, budget: float,
@@ -111,7 +130,7 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
     import transformers
 
     import dtensor_ext  # noqa: F401
-    from dtensor_ext.policy import adapter, build_plan
+    from dtensor_ext.policy import PolicyError, adapter, build_plan
     from dtensor_ext.policy import solve as solve_module
     from dtensor_ext.policy.trace import trace_graph
     from dtensor_ext.testing import simulated_mesh
@@ -134,14 +153,17 @@ def run_case(model_name: str, mesh_text: str, layers: int | None, batch: int, se
     _timed(adapter, "_derive", spent)
     _timed(solve_module, "_model", spent)
     _timed(adapter, "solve", spent)
-    names = ("dp", "tp") if len(shape) == 2 else None
-    graph = trace_graph(model, (ids,), fake=True) if plan_kind == "tp" else None
+    names = ("dp", "ep" if plan_kind.startswith("ep") else "tp") if len(shape) == 2 else None
+    graph = trace_graph(model, (ids,), fake=True) if plan_kind in ("tp", "ep-held") else None
     with simulated_mesh(shape, mesh_dim_names=names) as mesh:
-        constraints = hand_constraints(plan_kind, model, graph, mesh)
-        spent.clear()
-        start = time.perf_counter()
-        plan = build_plan(model, mesh, (ids,), constraints=constraints, memory_budget=budget_bytes,
-                          optimality_gap=gap)
+        try:
+            constraints = hand_constraints(plan_kind, model, graph, mesh)
+            spent.clear()
+            start = time.perf_counter()
+            plan = build_plan(model, mesh, (ids,), constraints=constraints, memory_budget=budget_bytes,
+                              optimality_gap=gap)
+        except PolicyError as refusal:
+            return dict(model=model_name, mesh=mesh_text, plan=plan_kind, refused=str(refusal))
         total = time.perf_counter() - start
         held = 0  # parameters, gradients and Adam's two moments, per rank, as the plan holds them
         for name, placements in plan.params.items():
@@ -172,7 +194,8 @@ def main() -> None:
                         help="memory budget per rank, in units of the fully sharded training state")
     parser.add_argument("--budget-gb", type=float, help="memory budget per rank in GiB (instead of --budget)")
     parser.add_argument("--gap", type=float, default=0.0001, help="build_plan's optimality_gap")
-    parser.add_argument("--plans", nargs="+", default=["search"], help="search, tp, fsdp (module docstring)")
+    parser.add_argument("--plans", nargs="+", default=["search"],
+                        help="search, tp, fsdp, ep, ep-held (module docstring)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one case in this process (the child)
     args = parser.parse_args()
     if args.one:
@@ -195,9 +218,9 @@ def main() -> None:
                 print(f"{case} {plan_kind}: failed\n{done.stderr[-3000:]}")
                 continue
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        best = min((row["cost_us"] for row in rows), default=None)
+        best = min((row["cost_us"] for row in rows if "cost_us" in row), default=None)
         for row in rows:
-            if len(args.plans) > 1:
+            if len(args.plans) > 1 and "cost_us" in row:
                 row["vs_best"] = round(row["cost_us"] / best, 3)
             print(json.dumps(row))
 

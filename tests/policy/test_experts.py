@@ -4,8 +4,9 @@ with the reason, never silently planned."""
 from __future__ import annotations
 
 import pytest
+from torch.distributed.tensor import Shard
 
-from dtensor_ext.policy import OpPartition, OpPlan, PolicyError, build_plan, get_pas_ops
+from dtensor_ext.policy import HFPlan, OpPartition, OpPlan, PolicyError, build_plan, get_pas_ops, model_plans
 from dtensor_ext.testing import simulated_mesh
 
 hf_zoo = pytest.importorskip("dtensor_ext.testing.hf_zoo")
@@ -33,3 +34,17 @@ def test_grouped_gemm_expert_split_without_a_proven_candidate_is_refused():
                               "mesh dim ep; input 1 sharded on dim 0: ")
     assert "input 1 sharded on dim 0: DTensor communicates" in message
     assert message.endswith("Operand shards DTensor allows: 0,1, 1,1, 1,2")
+
+
+def test_transformers_ep_plan_holds_the_experts_on_the_ep_dim_and_moves_them_to_the_grouped_gemm():
+    """transformers' ep_plan (`grouped_gemm`: experts' stacked weights on dim 0) read on a (dp, ep) mesh: every
+    expert weight is held Shard(0) on 'ep', and every grouped GEMM reads it otherwise, since DTensor splits a
+    2-D x 3-D grouped GEMM only on feature dims (the real-scale benchmark's `ep-held` plan)."""
+    model = hf_zoo.tiny_model("mixtral", use_cache=False)
+    ids, _ = hf_zoo.sample_batch()
+    with simulated_mesh((2, 2), mesh_dim_names=("dp", "ep")) as mesh:
+        plan = build_plan(model, mesh, (ids,), constraints=HFPlan({}, model_plans(model, ep=True).ep))
+    experts = {name: placements for name, placements in plan.params.items() if ".experts." in name}
+    assert len(experts) == 4 and all(placements[1] == Shard(0) for placements in experts.values())
+    grouped = [op for op in plan.ops if op.node.signature == "torch._grouped_mm"]
+    assert len(grouped) == 4 and all(op.inputs[1][1] != Shard(0) for op in grouped)
