@@ -21,7 +21,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -693,7 +693,7 @@ def parallelize(
     from dtensor_ext.policy.program import PlanProgram
     from dtensor_ext.policy.styles import apply_styles, proven_styles
 
-    if constraints is not None and not isinstance(constraints, (str, os.PathLike, dict)):
+    if isinstance(constraints, Iterator):
         constraints = list(constraints)  # read again for each call signature the program plans
 
     def plan_for(inputs, held_params=None):

@@ -33,6 +33,22 @@ def test_the_replayed_plan_equals_one_device(mesh_shape):
     assert plan.params["layers.0.attention.wq.weight"][-1].is_shard(0)
 
 
+def test_constraints_given_as_a_generator_plan_every_call_signature():
+    """The program plans a new call signature with the constraints the first plan had: a generator of Constraints
+    is read once, and kept."""
+    from dtensor_ext.policy.constraints import load_constraints
+
+    torch.manual_seed(0)
+    model = TinyLlama()
+    with simulated_mesh((2,)) as mesh:
+        parallelize(model, mesh, (torch.randint(0, 32, (2, 8)),), constraints=iter(load_constraints(LLAMA_TP_YAML)),
+                    program=True)
+        model(torch.randint(0, 32, (2, 4)))
+    (other,) = model.policy_plan.other_calls.values()
+    assert other.params["layers.0.attention.wq.weight"][-1].is_shard(0)
+    assert all(op.inputs[1][-1].is_shard(0) for op in other.ops if op.node.fqn.endswith("attention.wq"))
+
+
 def test_a_trace_that_read_values_is_not_replayed():
     torch.manual_seed(0)
     model = _Branches()
