@@ -154,7 +154,8 @@ def install(
 
     fast_propagation: True swaps DTensor's full N-D expansion of single-dim rules for our search that finds the
     same minimum cost without enumerating every combination; False puts torch's back; None leaves it as it is.
-    Installing again with the same options changes nothing; with other upgrade options it reinstalls.
+    Installing again with the same options changes nothing; another fix_torch alone adds or undoes the fixes (the
+    rules stay); with other upgrade options it reinstalls.
     """
     global _state
     _load_rule_modules()
@@ -166,10 +167,16 @@ def install(
                 f"candidates: {sorted(s.op_name for s in _SPECS.values() if s.superset_of_torch)}"
             )
 
-    if _state is not None and _state.upgrade == _freeze(upgrade) and fix_torch >= _state.fix_torch:
+    if _state is not None and _state.upgrade == _freeze(upgrade):
         if fix_torch and not _state.fix_torch:  # the same rules, now with the fixes: add them only
             _state.undo_fixes = _apply_torch_fixes(_state.entries)
-            _state.fix_torch = True
+        elif _state.fix_torch and not fix_torch:  # the same rules without the fixes: undo them only
+            for undo in reversed(_state.undo_fixes):
+                undo()
+            _state.undo_fixes = []
+            _state.entries = [e for e in _state.entries if e.family != "torch fix"]
+        if fix_torch != _state.fix_torch:
+            _state.fix_torch = fix_torch
             _compat.clear_sharding_caches()
         _set_fast_propagation(fast_propagation)
         return _state.entries

@@ -29,7 +29,7 @@ from dtensor_ext._compat import (clear_sharding_caches, fake_tensor_mode, outsid
                                  strided_offsets_on_plain_ints)
 from dtensor_ext.policy.trace import OpNode, op_outputs, replace_tensors, tensors_in, unique_tensors
 
-__all__ = ["Candidate", "CandidateCache", "NodeOptions", "enumerate_candidates", "local_shape",
+__all__ = ["Candidate", "CandidateCache", "NodeOptions", "enumerate_candidates", "enumerated", "local_shape",
            "operand_tensors", "prove_combinations", "splits"]
 
 # Beyond this many input combinations, only those with at most two non-replicated inputs, plus the ones that shard
@@ -104,10 +104,24 @@ def _combinations(options: list[list]) -> list[tuple]:
     every = list(itertools.product(*options))
     if len(every) <= MAX_COMBINATIONS:
         return every
-    few = [c for c in every if sum(not p.is_replicate() for p in c) <= 2]
-    alike = [c for c in every if len({p for p in c if not p.is_replicate()}) == 1
-             and all(p.is_shard() for p in c if not p.is_replicate())]
-    return list(dict.fromkeys(few + alike))
+    return list(dict.fromkeys([c for c in every if _few(c)] + [c for c in every if _alike(c)]))
+
+
+def _few(combo: tuple) -> bool:
+    return sum(not p.is_replicate() for p in combo) <= 2
+
+
+def _alike(combo: tuple) -> bool:
+    return len({p for p in combo if not p.is_replicate()}) == 1 and all(p.is_shard() for p in combo
+                                                                          if not p.is_replicate())
+
+
+def enumerated(node: OpNode, size: int, param_operands: frozenset[int], combo: tuple) -> bool:
+    """Whether `enumerate_candidates` tries the input placements `combo` (one per operand) on a mesh dim of
+    `size` ranks: without running the op, for a plan read back (policy.pinned)."""
+    options = [_placements(t, size, k in param_operands) for k, t in enumerate(operand_tensors(node))]
+    return len(combo) == len(options) and all(p in o for p, o in zip(combo, options)) and (
+        math.prod(map(len, options)) <= MAX_COMBINATIONS or _few(combo) or _alike(combo))
 
 
 # Candidates depend on the op, its inputs' shapes and arguments and the mesh (dim) sizes only: kept for the process.

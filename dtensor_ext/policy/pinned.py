@@ -1,9 +1,10 @@
 """A solved plan read back from ``Plan.to_yaml()`` and pinned: the same placements, derived again.
 
 The model is traced again and every exported op must be the traced op at that position (same op, same module).
-Each op's placements are then looked up among DTensor's own candidates for it (the ones ``build_plan`` solves
-over): the exported text names them, the candidate supplies the exact placements (a Partial's reduce op and mask
-included). A document that does not describe this model, or names placements DTensor does not run the op at, is a
+Each op's written input placements, where they are a combination ``build_plan``'s search tries on each mesh dim,
+are then run once on fake DTensors, as the search proves its candidates (not the whole search again: reading a
+plan back costs a fraction of planning): the candidate DTensor makes of them supplies the exact placements (a
+Partial's reduce op and mask included) and must have the written outputs. A document that does not describe this model, or names placements DTensor does not run the op at, is a
 ``PolicyError`` naming the entry and the field.
 """
 
@@ -15,13 +16,13 @@ import time
 import torch
 import yaml
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dtensor_ext.policy.adapter import _differentiated, _trace_outside_simulation
 from dtensor_ext.policy.placement_text import fmt, short
 from dtensor_ext.policy.plan import OpChoice, Plan
 from dtensor_ext.policy.constraints import _BoundedLoader
-from dtensor_ext.policy.candidates import Candidate, CandidateCache, local_shape
+from dtensor_ext.policy.candidates import Candidate, CandidateCache, enumerated, local_shape
 from dtensor_ext.policy.errors import PolicyError
 
 __all__ = ["load_plan"]
@@ -71,16 +72,9 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
         texts_out = [_tokens(t, mesh, where, "outputs") for t in outputs]
         param_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in graph.params)
         grad_slots = frozenset(k for k, t in enumerate(node.operand_ids) if t in differentiated)
-        every = [cache.options(node, m, param_slots, grad_slots).candidates for m in range(mesh.ndim)]
-        per_dim = [[c for c in found if tuple(short(p[0]) for p in c.inputs) == tuple(t[m] for t in texts_in)]
-                   for m, found in enumerate(every)]
-        offered = cache.combined(node, per_dim, param_slots, grad_slots, 0) if all(per_dim) else []
-        proofs = [c if c.proven else cache.prove(node, c, param_slots, grad_slots) for c in offered]
-        found = [c for c in proofs if isinstance(c, Candidate)]
-        wanted = (tuple(texts_in), tuple(texts_out))
-        match = next((c for c in found if (tuple(tuple(map(short, p)) for p in c.inputs),
-                                           tuple(tuple(map(short, p)) for p in c.outputs)) == wanted), None)
-        if match is None:
+        match = _proven(node, mesh, cache, texts_in, param_slots, grad_slots)
+        if match is None or tuple(tuple(map(short, p)) for p in match.outputs) != tuple(texts_out):
+            every = [cache.options(node, m, param_slots, grad_slots).candidates for m in range(mesh.ndim)]
             runs = [f"mesh dim {m}: {'; '.join(sorted(_runs(found))) or 'none (it runs local)'}"
                     for m, found in enumerate(every)]
             raise PolicyError(where, "inputs/outputs", f"{inputs} -> {outputs}",
@@ -96,6 +90,19 @@ def load_plan(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, exported
                     f"{fmt(held)} -> {fmt(target)}" for slot, what, held, target, _ in found]
     plan.planning_s = time.perf_counter() - start
     return plan
+
+
+def _proven(node, mesh: DeviceMesh, cache: CandidateCache, texts_in: list[tuple[str, ...]], param_slots,
+            grad_slots) -> Candidate | None:
+    """The candidate the written input placements make: one fake run of them on the whole mesh, where on each mesh
+    dim they are a combination the search tries (not the search itself: every combination on every dim); None
+    where DTensor does not run them without communicating."""
+    inputs = tuple(tuple(Replicate() if t == "R" else Partial() if t == "P" else Shard(int(t[2:-1])) for t in texts)
+                   for texts in texts_in)
+    if not all(enumerated(node, mesh.size(m), param_slots, tuple(p[m] for p in inputs)) for m in range(mesh.ndim)):
+        return None
+    found = cache.prove(node, Candidate(inputs, (), (), 0), param_slots, grad_slots)
+    return found if isinstance(found, Candidate) else None
 
 
 def _runs(found) -> set[str]:
