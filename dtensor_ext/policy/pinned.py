@@ -4,8 +4,8 @@ The model is traced again and every exported op must be the traced op at that po
 Each op's written input placements, where they are a combination ``build_plan``'s search tries on each mesh dim,
 are then run once on fake DTensors, as the search proves its candidates (not the whole search again: reading a
 plan back costs a fraction of planning): the candidate DTensor makes of them supplies the exact placements (a
-Partial's reduce op and mask included) and must have the written outputs. A document that does not describe this model, or names placements DTensor does not run the op at, is a
-``PolicyError`` naming the entry and the field.
+Partial's reduce op and mask included) and must have the written outputs. A document that does not describe this
+model, or names placements DTensor does not run the op at, is a ``PolicyError`` naming the entry and the field.
 """
 
 from __future__ import annotations
