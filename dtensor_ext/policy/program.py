@@ -14,6 +14,7 @@ and replayed from then on (`plan.other_calls`), as torch.compile compiles again 
 fake tensors (planned from the meta device) replays the program its fake trace recorded: Hugging Face's compiled
 path, with explicit masks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,7 +53,16 @@ class PlanProgram(PlanExecutor):
         forward, signature = model.forward, inspect.signature(model.forward)
         defaults = {name: p.default for name, p in signature.parameters.items()}
         self._prepare(model, signature)
-        self.programs[_call_key(signature.bind(*example_inputs).arguments, defaults)] = self
+        example = signature.bind(*example_inputs).arguments
+        graph = self.plan.graph
+        for name, value in example.items():  # the traced call's key comes from them: they must be the traced ones
+            tid = self.inputs.get(name)
+            traced = None if tid is None else list(graph.tensors[tid].shape)
+            if isinstance(value, torch.Tensor) != (tid is not None) or traced not in (None, list(value.shape)):
+                raise PolicyError("parallelize", f"example_inputs[{name!r}]", _described(value),
+                                  f"{'a tensor of shape ' + str(traced) if traced else 'what it was'} in the call "
+                                  "the plan was traced with")
+        self.programs[_call_key(example, defaults)] = self
 
         @functools.wraps(forward)
         def replayed_forward(*args, **kwargs):

@@ -49,6 +49,17 @@ def test_constraints_given_as_a_generator_plan_every_call_signature():
     assert all(op.inputs[1][-1].is_shard(0) for op in other.ops if op.node.fqn.endswith("attention.wq"))
 
 
+def test_example_inputs_other_than_the_plans_are_refused():
+    """The program keys the traced call by the example inputs: a plan traced at other shapes is refused by name."""
+    torch.manual_seed(0)
+    model = TinyLlama()
+    with simulated_mesh((2,)) as mesh:
+        plan = build_plan(model, mesh, (torch.randint(0, 32, (2, 8)),), constraints=LLAMA_TP_YAML)
+        with pytest.raises(PolicyError, match=r"parallelize: field \"example_inputs\['tokens'\]\" got 'a tensor of "
+                                              r"shape \[2, 4\]'; expected a tensor of shape \[2, 8\] in the call"):
+            parallelize(model, mesh, (torch.randint(0, 32, (2, 4)),), plan=plan, program=True)
+
+
 def test_a_trace_that_read_values_is_not_replayed():
     torch.manual_seed(0)
     model = _Branches()
