@@ -148,9 +148,10 @@ def build_plan(
     for name, placements in (held_params or {}).items():
         if name not in names:
             raise PolicyError("build_plan", "held_params", name, "names of the model's parameters")
-        if not isinstance(placements, (tuple, list)) or len(placements) != mesh.ndim:
+        if not isinstance(placements, (tuple, list)) or len(placements) != mesh.ndim or not all(
+                isinstance(p, (Replicate, Shard)) for p in placements):
             raise PolicyError("build_plan", f"held_params[{name!r}]", placements,
-                              f"one placement per mesh dim ({mesh.ndim})")
+                              f"one Replicate or Shard per mesh dim ({mesh.ndim}), as a parameter is held")
     ops, params, cost, shared, gap = _derive(graph, mesh, requirements, cost_model or IdealCostModel(),
                                              memory_budget, share_layers, float(optimality_gap), held_params or {})
     if all(_replicated(p) for p in params.values()) and all(

@@ -211,8 +211,8 @@ def _check_replayable(plan) -> None:
                           "a trace without such reads: the replay would keep what the trace read for every "
                           "later input; plan on fake tensors (build_plan(fake_trace=True), which names such a "
                           "read) or run the plan with program=False")
-    known = set(graph.params) | set(graph.buffers) | set(graph.module_calls[""].arg_ids) | set(
-        graph.module_calls[""].kwarg_ids.values())
+    root = graph.module_calls[""]
+    known = {*graph.params, *graph.buffers, *(t for t in root.arg_ids if t is not None), *root.kwarg_ids.values()}
     produced = {tid for node in graph.nodes for tid in node.output_ids}
     for node in graph.nodes:
         for tid in node.operand_ids:

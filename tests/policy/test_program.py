@@ -49,6 +49,24 @@ def test_constraints_given_as_a_generator_plan_every_call_signature():
     assert all(op.inputs[1][-1].is_shard(0) for op in other.ops if op.node.fqn.endswith("attention.wq"))
 
 
+def test_held_params_pin_the_parameters_and_a_bad_entry_is_named():
+    """build_plan(held_params=), which plans the program's new call signatures: a held parameter gets exactly
+    its placements, even where the search alone puts it elsewhere; a bad entry is a PolicyError naming it."""
+    from torch.distributed.tensor import Partial, Shard
+
+    torch.manual_seed(0)
+    model, tokens = TinyLlama(), torch.randint(0, 32, (2, 8))
+    with simulated_mesh((2,)) as mesh:
+        free = build_plan(model, mesh, (tokens,), constraints=LLAMA_TP_YAML).params["layers.0.attention.wq.weight"]
+        plan = build_plan(model, mesh, (tokens,), constraints=LLAMA_TP_YAML,
+                          held_params={"layers.0.attention.wq.weight": (Shard(1),)})
+        with pytest.raises(PolicyError, match="field 'held_params' got 'nope'; expected names of the model's"):
+            build_plan(model, mesh, (tokens,), held_params={"nope": (Shard(0),)})
+        with pytest.raises(PolicyError, match=r"got \(Partial\(sum\),\); expected one Replicate or Shard per mesh"):
+            build_plan(model, mesh, (tokens,), held_params={"layers.0.attention.wq.weight": (Partial(),)})
+    assert free != (Shard(1),) and plan.params["layers.0.attention.wq.weight"] == (Shard(1),)
+
+
 def test_example_inputs_other_than_the_plans_are_refused():
     """The program keys the traced call by the example inputs: a plan traced at other shapes is refused by name."""
     torch.manual_seed(0)
