@@ -1,5 +1,5 @@
 """CPU time per training step of a solved plan applied with torch's ParallelStyles where proven, against the same
-plan applied op by op (``parallelize(..., styles=False)``), side by side.
+plan applied op by op (``parallelize(..., program=False, styles=False)``), side by side.
 
 One plan per model (built once), two copies of the model parallelized with it, and a training step (forward, loss,
 backward) timed alternately on each, best of --repeats after --warmup steps; both copies' loss and every gradient
@@ -82,9 +82,9 @@ def main() -> None:
         expected = {n: p.grad for n, p in reference.named_parameters()}
         with simulated_mesh((args.mesh,)) as mesh:
             plan = build_plan(copies["styles"], mesh, inputs, constraints=constraints)
-            parallelize(copies["styles"], mesh, inputs, plan=plan)
+            parallelize(copies["styles"], mesh, inputs, plan=plan, program=False)
             styled = len(plan.styles)
-            parallelize(copies["op by op"], mesh, inputs, plan=copy.copy(plan), styles=False)
+            parallelize(copies["op by op"], mesh, inputs, plan=copy.copy(plan), program=False, styles=False)
             error = 0.0
             for model in copies.values():
                 loss = step(model, loss_fn)

@@ -3,11 +3,12 @@ parallelization.
 
 ``build_plan`` traces the model once, takes each op's candidate placements from DTensor's own sharding propagation,
 filters them by the constraints and picks the cheapest plan exactly (HiGHS); it returns a printable Plan.
-``parallelize`` applies it: parameters distributed as solved, activations run as DTensors at the solved placements
-(torch's ParallelStyles run the modules where they provably do the same). ``load_plan`` reads ``plan.to_yaml()`` back.
+``parallelize`` applies it: parameters distributed as solved, activations run as DTensors at the solved placements,
+as the traced program torch.compile makes one graph of (by an interpreter where a replay cannot run the plan).
+``load_plan`` reads ``plan.to_yaml()`` back.
 Every malformed input and every constraint no plan meets raises PolicyError (a ValueError).
 
-The modules are the pipeline, in order (``adapter`` runs it):
+The modules are the pipeline, in order (``adapter`` runs it up to the plan, ``apply`` applies it):
 
 - trace: the model's forward as torch-level ops (``trace``; ``regions`` and ``repeats`` group them);
 - candidates: each op's placements that DTensor runs without communicating, proven on the whole mesh (``candidates``);
@@ -15,12 +16,13 @@ The modules are the pipeline, in order (``adapter`` runs it):
   ``opplan``);
 - solve: one exact choice for the whole mesh (``solve``), the Plan as data (``plan``, ``placement_text``,
   ``picture``, ``pinned`` reads a written plan back);
-- apply: ``parallelize`` runs the plan as torch ParallelStyles where they do the same (``styles``), as a traced
-  program (``program``) or by the interpreter (``interpreter``), gradients brought to their placements by
-  ``gradients``.
+- apply: ``parallelize`` (``apply``) runs the plan as its traced program (``program``) where a replay can run it,
+  else by the interpreter (``interpreter``) with torch ParallelStyles where they do the same (``styles``),
+  gradients brought to their placements by ``gradients``.
 """
 
-from dtensor_ext.policy.adapter import PolicyConfig, build_plan, parallelize
+from dtensor_ext.policy.adapter import PolicyConfig, build_plan
+from dtensor_ext.policy.apply import parallelize
 from dtensor_ext.policy.constraints import Constraint, load_constraints
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.trace import GraphView, OpNode

@@ -1,4 +1,4 @@
-"""build_plan / parallelize: constraints (YAML or a Python policy) filter DTensor's own candidates, HiGHS picks.
+"""build_plan: constraints (YAML or a Python policy) filter DTensor's own candidates, HiGHS picks.
 
 1. Trace the forward once (policy.trace): every torch-level op, the module that ran it, its inputs and outputs.
 2. For each mesh dim, each op's candidates come from DTensor itself (policy.candidates): the input placements it runs
@@ -8,9 +8,8 @@
    the dim. A constraint nothing satisfies is a PolicyError that says what DTensor would need instead.
 4. HiGHS (solve) picks one candidate per op and one placement per parameter, minimising the redistributions
    (the package's cost model, forward and the gradients' way back) plus the compute each rank does.
-5. ``parallelize`` distributes the parameters as solved and runs every op on DTensors whose inputs are moved to
-   the solved placements (policy.interpreter), so DTensor executes what was planned and the values are the
-   single-device ones.
+5. ``policy.apply.parallelize`` runs the plan (the traced program or the interpreter), so DTensor executes what was
+   planned and the values are the single-device ones.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,7 +35,7 @@ from dtensor_ext.policy.gradients import gradient_move, reduction_stops
 from dtensor_ext.policy.opplan import OpPartition, OpPlan
 from dtensor_ext.policy.placement_text import fmt
 from dtensor_ext.policy.plan import OpChoice, Plan, _collectives, _replicated
-from dtensor_ext.policy.regions import apply_recompute, recompute_regions, stage_boundaries
+from dtensor_ext.policy.regions import recompute_regions, stage_boundaries
 from dtensor_ext.policy.repeats import repeated_rows, shared_layers
 from dtensor_ext.policy.scopes import as_constraints, in_scope, unmatched_scope
 from dtensor_ext.policy.solve import EXACT, Problem, solve
@@ -663,58 +662,3 @@ def _unmet(node: OpNode, requirement: Requirement, found: NodeOptions, mesh: Dev
                        f"a partition DTensor runs without communicating{on}; " + "; ".join(reasons or [
                            "it cannot run replicated here"]) + f". Operand shards DTensor allows: "
                        f"{', '.join(allowed) or 'none (only replicated)'}")
-
-
-def parallelize(
-    model: torch.nn.Module,
-    mesh: DeviceMesh,
-    example_inputs: Sequence[object],
-    *,
-    constraints=None,
-    policy: Callable | None = None,
-    cfg: object = None,
-    cost_model=None,
-    memory_budget: int | None = None,
-    share_layers: bool = True,
-    optimality_gap: float = EXACT,
-    warn_unused: bool = False,
-    plan: Plan | None = None,
-    styles: bool = True,
-    program: bool = False,
-) -> torch.nn.Module:
-    """Build the plan (unless given) and apply it in place: parameters distributed as solved, every op run on
-    DTensors moved to the solved placements, hooks, recompute. Where a torch ParallelStyle provably does what the
-    plan says for a module, torch's ``parallelize_module`` applies it instead (``styles=False``: never). Returns
-    the module, whose outputs are full (replicated) tensors; the applied plan is ``model.policy_plan``.
-    ``program=True`` replaces the model's forward by the traced program, replayed op by op with the planned moves
-    (policy.program: what torch.compile traces into one graph; the plan is traced on fake tensors and no
-    ParallelStyle is used; a call of other shapes or arguments is planned when it first comes, with the parameters
-    held as distributed: ``model.policy_plan.other_calls``)."""
-    from dtensor_ext.policy.interpreter import PlanExecutor
-    from dtensor_ext.policy.program import PlanProgram
-    from dtensor_ext.policy.styles import apply_styles, proven_styles
-
-    if isinstance(constraints, Iterator):
-        constraints = list(constraints)  # read again for each call signature the program plans
-
-    def plan_for(inputs, held_params=None):
-        return build_plan(model, mesh, inputs, constraints=constraints, policy=policy, cfg=cfg, cost_model=cost_model,
-                          memory_budget=memory_budget, share_layers=share_layers, optimality_gap=optimality_gap,
-                          warn_unused=warn_unused, fake_trace=True if program else None, held_params=held_params)
-
-    plan = plan_for(example_inputs) if plan is None else plan
-    plan.styles = proven_styles(plan) if styles and not program else {}
-    apply_styles(model, plan, plan.styles)
-    if program:
-        PlanProgram(plan, plan_for).install(model, example_inputs)
-    else:
-        PlanExecutor(plan).install(model)
-    for fqn, pre, post in plan.hooks:
-        module = model.get_submodule(fqn)
-        if pre is not None:
-            module.register_forward_pre_hook(pre)
-        if post is not None:
-            module.register_forward_hook(post)
-    apply_recompute(model, plan.recompute_groups)
-    model.policy_plan = plan
-    return model

@@ -25,6 +25,10 @@ from dtensor_ext.redistribute.cost import IdealCostModel
 __all__ = ["OpChoice", "Plan"]
 
 
+# Plan.runs_as where parallelize runs the plan as its traced program
+RUNS_AS_PROGRAM = "the traced program (policy.program)"
+
+
 @dataclass
 class OpChoice:
     """What the plan runs for one op: each operand's and each output's placements (one per mesh dim)."""
@@ -68,6 +72,8 @@ class Plan:
     # parallelize(program=True): the plans of the call signatures met after the traced one, each planned when it
     # first came with the parameters held where this plan put them (policy.program), by the call's arguments
     other_calls: dict[str, Plan] = field(default_factory=dict)
+    # how parallelize runs the plan (policy.apply: the traced program, or the interpreter and why); None: not applied
+    runs_as: str | None = None
 
     def held(self, tid: int) -> tuple:
         """The placements a value has where it was made: its producer's solved output, a parameter's solved
@@ -194,10 +200,13 @@ class Plan:
                 lines.append(f"    %{producer.index} {list(self.graph.tensors[tid].shape)}: "
                              f"{fmt(self.held(tid))} -> {fmt((Replicate(),) * self.mesh.ndim)}: "
                              f"{steps_text(taken, self.held(tid))}")
+        if self.runs_as is not None:
+            lines.append(f"  runs as {self.runs_as}")
         styles = proven_styles(self) if self.styles is None else self.styles
-        note = ", proven, applied by parallelize" if self.styles is None else ""
-        lines.append(f"  ParallelStyles ({len(styles)} modules{note}){':' if styles else ''}")
-        lines += [f"    {fqn}: {choice}" for fqn, choice in styles.items()]
+        if self.runs_as != RUNS_AS_PROGRAM:
+            note = ", proven; run by the interpreter, parallelize(program=False)" if self.styles is None else ""
+            lines.append(f"  ParallelStyles ({len(styles)} modules{note}){':' if styles else ''}")
+            lines += [f"    {fqn}: {choice}" for fqn, choice in styles.items()]
         if self.recompute_groups:
             lines.append("  recompute groups:")
             lines += [f"    {rid}: {', '.join(fqn or '<root>' for fqn in fqns)}"

@@ -32,7 +32,7 @@ from dtensor_ext.policy.gradients import gradient_brought, read_in_group
 from dtensor_ext.policy.interpreter import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.trace import OutputSlot, last_writes, op_outputs
 
-__all__ = ["PlanProgram"]
+__all__ = ["PlanProgram", "replay_refusal"]
 
 
 class PlanProgram(PlanExecutor):
@@ -58,7 +58,8 @@ class PlanProgram(PlanExecutor):
         for name, value in example.items():  # the traced call's key comes from them: they must be the traced ones
             tid = self.inputs.get(name)
             traced = None if tid is None else list(graph.tensors[tid].shape)
-            if isinstance(value, torch.Tensor) != (tid is not None) or traced not in (None, list(value.shape)):
+            given = list(value.shape) if isinstance(value, torch.Tensor) else None
+            if isinstance(value, torch.Tensor) != (tid is not None) or traced != given:
                 raise PolicyError("parallelize", f"example_inputs[{name!r}]", _described(value),
                                   f"{'a tensor of shape ' + str(traced) if traced else 'what it was'} in the call "
                                   "the plan was traced with")
@@ -198,33 +199,45 @@ def _replicated(t: torch.Tensor, mesh, replicate: list) -> DTensor:
 
 
 def _check_replayable(plan) -> None:
-    """What a replay cannot run is refused by name."""
+    refusal = replay_refusal(plan)
+    if refusal is not None:
+        raise refusal
+
+
+def replay_refusal(plan) -> PolicyError | None:
+    """Why a replay cannot run the plan (the error that names it), or None where it can."""
     graph = plan.graph
     if graph.output_template is None:
-        raise PolicyError("parallelize", "program", True, "a plan traced by this version of build_plan")
+        return PolicyError("parallelize", "program", True, "a plan traced by this version of build_plan")
     if plan.hooks or plan.recompute_groups:
-        raise PolicyError("parallelize", "program", True, "a plan without module hooks or recompute groups "
-                          "(the replay calls no module: run such a plan with program=False)")
+        return PolicyError("parallelize", "program", True, "a plan without module hooks or recompute groups "
+                           "(the replay calls no module: run such a plan with program=False)")
     read = next((node for node in graph.nodes if node.reads_values), None)
     if read is not None:
-        raise PolicyError(str(read), "program", "a call that reads a tensor's values into Python",
-                          "a trace without such reads: the replay would keep what the trace read for every "
-                          "later input; plan on fake tensors (build_plan(fake_trace=True), which names such a "
-                          "read) or run the plan with program=False")
+        return PolicyError(str(read), "program", "a call that reads a tensor's values into Python",
+                           "a trace without such reads: the replay would keep what the trace read for every "
+                           "later input; plan on fake tensors (build_plan(fake_trace=True), which names such a "
+                           "read) or run the plan with program=False")
     root = graph.module_calls[""]
+    given = [t for t in (*root.arg_ids, *root.kwarg_ids.values()) if t is not None]
+    if len(set(given)) < len(given):
+        return PolicyError("parallelize", "program", "one tensor traced as two of the forward's arguments",
+                           "a trace with one tensor per argument (build_plan(fake_trace=True) traces a tensor "
+                           "passed twice as two): a later call may pass two different tensors there")
     known = {*graph.params, *graph.buffers, *(t for t in root.arg_ids if t is not None), *root.kwarg_ids.values()}
     produced = {tid for node in graph.nodes for tid in node.output_ids}
     for node in graph.nodes:
         for tid in node.operand_ids:
             if tid not in known and tid not in produced:
-                raise PolicyError(str(node), "program", f"a tensor the trace met as a constant (trace id {tid})",
-                                  "operands that are inputs, parameters, buffers or op outputs: a tensor the "
-                                  "forward reads from elsewhere (a plain attribute) has no place in the replay; "
-                                  "register it as a buffer")
+                return PolicyError(str(node), "program", f"a tensor the trace met as a constant (trace id {tid})",
+                                   "operands that are inputs, parameters, buffers or op outputs: a tensor the "
+                                   "forward reads from elsewhere (a plain attribute) has no place in the replay; "
+                                   "register it as a buffer")
     if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(graph.output_template)):
-        raise PolicyError("parallelize", "program", "an output the trace did not make (no traced op read it)",
-                          "outputs the replay makes: return values the forward computes, or run the plan with "
-                          "program=False")
+        return PolicyError("parallelize", "program", "an output the trace did not make (no traced op read it)",
+                           "outputs the replay makes: return values the forward computes, or run the plan with "
+                           "program=False")
+    return None
 
 
 def _call_key(arguments: dict, defaults: dict) -> tuple:

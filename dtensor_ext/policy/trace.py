@@ -384,7 +384,8 @@ def trace_graph(model: torch.nn.Module, example_inputs: Sequence[object], *, fak
         dtensor_ext._settle_deferred_fixes(True)
         with fake_tensor_mode() as mode:
             state = {name: _fake_like(t, mode) for name, t in (*model.named_parameters(), *model.named_buffers())}
-            example_inputs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, mode), example_inputs)
+            example_inputs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, mode),
+                                                  _unaliased(example_inputs))
         params = {id(state[name]): name for name, _ in model.named_parameters()}
         buffers = {id(state[name]): name for name, _ in model.named_buffers()}
 
@@ -422,6 +423,20 @@ def on_meta(model: torch.nn.Module, example_inputs: Sequence[object]) -> bool:
     before its weights exist)."""
     state = (*model.parameters(), *model.buffers(), *tensors_in(list(example_inputs)))
     return any(t.is_meta for t in state)
+
+
+def _unaliased(example_inputs):
+    """The inputs with a tensor passed as two arguments (ids as labels) made two tensors: the traced program, which
+    policy.program replays, reads them as two inputs, as a later call may pass two different tensors there."""
+    seen = set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in seen:
+            return t.detach().clone().requires_grad_(t.requires_grad)
+        seen.add(id(t))
+        return t
+
+    return pytree.tree_map_only(torch.Tensor, own, example_inputs)
 
 
 def _fake_like(t: torch.Tensor, mode) -> torch.Tensor:

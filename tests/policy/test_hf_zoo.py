@@ -89,6 +89,8 @@ def test_llama_seed_policy_with_recompute_and_stages():
     plan = model.policy_plan
     assert plan.recompute_groups == {0: ["model.layers.0"], 1: ["model.layers.1"]}
     assert plan.stage_starts == {0: "", 1: "model.layers.1"}
+    assert plan.runs_as == ("the interpreter (policy.interpreter), for an OpPlan policy (its hooks and recompute "
+                            "groups run on the model's modules)")
     assert plan.params["model.layers.0.self_attn.q_proj.weight"] == (Shard(0),)
     assert plan.params["model.layers.1.mlp.down_proj.weight"] == (Shard(1),)
     assert counts  # it communicates: the plan is parallel

@@ -155,7 +155,7 @@ def test_printed_plan_lists_collectives_bytes_and_styles():
       backward gradient of input 0: (S(2)) -> (R): all_gather 1,536 B
   outputs (the caller gets full tensors):
     %2 [4, 8, 8]: (P) -> (R): all_reduce 1,536 B
-  ParallelStyles (1 modules, proven, applied by parallelize):
+  ParallelStyles (1 modules, proven; run by the interpreter, parallelize(program=False)):
     fc1: ColwiseParallel: in R -> R, out S(2)""")
 
 

@@ -1,6 +1,7 @@
-"""parallelize(program=True): the plan replayed as straight-line code. It equals one device, runs the collectives the
-plan lists whatever other tools hook onto the modules, refuses what it cannot replay by name, and compiles into one
-graph on real gloo ranks."""
+"""The plan replayed as straight-line code (parallelize's default where a replay runs the plan; program=True: always).
+It equals one device, runs the collectives the plan lists whatever other tools hook onto the modules, refuses what
+it cannot replay by name (the default runs such a plan by the interpreter and says why), and compiles into one graph
+on real gloo ranks."""
 
 from __future__ import annotations
 
@@ -88,6 +89,28 @@ def test_a_trace_that_read_values_is_not_replayed():
             parallelize(model, mesh, (torch.randn(4, 8),), plan=plan, program=True)
     assert str(info.value).startswith("%3 torch.Tensor.__bool__ in <root> [h.sum() > 0]: field 'program' got "
                                       "\"a call that reads a tensor's values into Python\""), info.value
+
+
+COLUMN_PARALLEL = '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0"]\n  replica_allowed: false\n'
+
+
+def test_the_default_runs_by_the_interpreter_what_a_replay_cannot_and_says_why():
+    torch.manual_seed(0)
+    # planned from one eager forward (the fake trace cannot take the branch), run by the interpreter: one device
+    plan = check_matches_one_device(_Branches, (torch.randn(4, 8),), constraints=COLUMN_PARALLEL)
+    assert plan.runs_as == ("the interpreter (policy.interpreter), for the forward reads a tensor's values into "
+                            "Python at <root> [h.sum() > 0] (torch.Tensor.__bool__)"), plan.runs_as
+    assert any(node.reads_values for node in plan.graph.nodes)
+    with simulated_mesh((2,)) as mesh:
+        given = build_plan(_Branches(), mesh, (torch.randn(4, 8),), constraints=COLUMN_PARALLEL)
+        parallelize(model := _Branches(), mesh, (torch.randn(4, 8),), plan=given)
+        assert model.policy_plan.runs_as.startswith("the interpreter (policy.interpreter), for a replay cannot run "
+                                                    "it: %3 torch.Tensor.__bool__ in <root> [h.sum() > 0]: field "
+                                                    "'program'"), model.policy_plan.runs_as
+        with pytest.raises(PolicyError) as info:
+            parallelize(_Branches(), mesh, (torch.randn(4, 8),), plan=given, program="yes")
+    assert str(info.value) == ("parallelize: field 'program' got 'yes'; expected None (the program where it "
+                               "replays), True or False")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""torch ParallelStyles where the solved plan provably coincides with them (policy.styles), and nowhere else."""
+"""torch ParallelStyles where the solved plan provably coincides with them (policy.styles), and nowhere else: the
+interpreter's (program=False); the traced program, the default, calls no module."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ LLAMA_TP_YAML = policy_text("llama_tp_sp")
 
 def test_llama_linears_run_as_torch_styles_with_the_planned_placements():
     plan = check_matches_one_device(TinyLlama, (torch.randint(0, 32, (2, 8)),), mesh_shape=(4,),
-                                    constraints=LLAMA_TP_YAML)
+                                    constraints=LLAMA_TP_YAML, program=False)
     linears = [f"layers.0.{m}" for m in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                                          "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")]
     # every linear of the block is styled, column-parallel where its weight is split on dim 0 (the solver's choice)
@@ -43,9 +44,19 @@ def test_llama_linears_run_as_torch_styles_with_the_planned_placements():
 
 def test_styles_off_gives_the_same_plan_run_op_by_op():
     plan = check_matches_one_device(TinyLlama, (torch.randint(0, 32, (2, 8)),), mesh_shape=(4,),
-                                    constraints=LLAMA_TP_YAML, styles=False)
+                                    constraints=LLAMA_TP_YAML, styles=False, program=False)
     assert plan.styles == {} and not plan.deviations
-    assert "  ParallelStyles (0 modules)" in str(plan).splitlines()
+    shown = str(plan).splitlines()
+    assert "  ParallelStyles (0 modules)" in shown
+    assert "  runs as the interpreter (policy.interpreter), as asked: program=False" in shown
+
+
+def test_the_program_runs_no_style():
+    """The default runs the plan as its traced program, which calls no module: no style, none listed."""
+    plan = check_matches_one_device(TinyLlama, (torch.randint(0, 32, (2, 8)),), mesh_shape=(4,),
+                                    constraints=LLAMA_TP_YAML)
+    assert plan.styles == {} and plan.runs_as == "the traced program (policy.program)"
+    assert not any(line.startswith("  ParallelStyles") for line in str(plan).splitlines())
 
 
 class NormBetween(nn.Module):
@@ -76,7 +87,7 @@ class LaunchBound(IdealCostModel):
 
 def test_a_norm_run_on_token_shards_is_sequence_parallel():
     plan = check_matches_one_device(NormBetween, (torch.randn(2, 4, 8),), constraints=NORM_ON_TOKENS,
-                                    cost_model=LaunchBound())
+                                    cost_model=LaunchBound(), program=False)
     norm = plan.styles["norm"]
     assert isinstance(norm.style, SequenceParallel) and norm.style.sequence_sharding == (Shard(1),)
     assert plan.ops[norm.ops[0]].inputs[0] == (Shard(1),)
@@ -101,7 +112,7 @@ def test_no_style_for_a_vocab_sharded_embedding_whose_masked_partial_the_hook_wo
     its output reduced once for its two readers. A budget of 3/4 of the replicated parameter state makes the solve
     keep the table sharded (else it cuts it at the op)."""
     budget = 3 * 4 * sum(p.numel() * 4 for p in Vocab().parameters()) // 4
-    plan = check_matches_one_device(Vocab, (torch.randint(0, 32, (2, 5)),), memory_budget=budget, constraints="""\
+    plan = check_matches_one_device(Vocab, (torch.randint(0, 32, (2, 5)),), memory_budget=budget, program=False, constraints="""\
 - name: torch.nn.functional.embedding
   allowed_partition_dims: ["1,0"]
   replica_allowed: false
@@ -120,7 +131,8 @@ class NormTwice(NormBetween):
 
 def test_no_style_for_a_module_that_runs_twice():
     """Its hooks would run at both calls; only the first call's input was compared with the plan."""
-    plan = check_matches_one_device(NormTwice, (torch.randn(2, 4, 8),), constraints=NORM_ON_TOKENS)
+    plan = check_matches_one_device(NormTwice, (torch.randn(2, 4, 8),), constraints=NORM_ON_TOKENS,
+                                    program=False)
     norms = [op for op in plan.ops if op.node.fqn == "norm"]
     assert len(norms) == 2 and all(op.inputs[0] == (Shard(1),) for op in norms)
     assert "norm" not in plan.styles
@@ -142,7 +154,7 @@ class Shared(nn.Module):
 
 
 def test_no_style_for_shared_weights_or_modules_run_twice():
-    plan = check_matches_one_device(Shared, (torch.randn(4, 8),), constraints=TP_LINEARS)
+    plan = check_matches_one_device(Shared, (torch.randn(4, 8),), constraints=TP_LINEARS, program=False)
     assert any(not p.is_replicate() for placements in plan.params.values() for p in placements)
     assert not {"fc1", "fc2", "fc3"} & set(plan.styles)
 
@@ -162,7 +174,7 @@ def test_style_parameters_are_distributed_by_torch():
     model, tokens = MLP(), torch.randn(3, 4, 8)
     with simulated_mesh((2,)) as mesh:
         plan = build_plan(model, mesh, (tokens,), constraints=TP_LINEARS)
-        parallelize(model, mesh, (tokens,), plan=plan)
+        parallelize(model, mesh, (tokens,), plan=plan, program=False)
     assert set(plan.styles) == {"up", "down"}
     for fqn in plan.styles:
         weight = model.get_submodule(fqn).weight

@@ -1,6 +1,6 @@
 """Calls the trace did not see, run by the applied plan: a Python index that a torch fix turns into a tensor, a loss
 the trace did not run, and another tool's hooks (CommDebugMode's module tracker hands each module `x.view_as(x)`).
-Each runs right; the hooks change nothing that runs."""
+Each runs right, as the traced program and by the interpreter; the hooks change nothing that runs."""
 
 from __future__ import annotations
 
@@ -38,15 +38,18 @@ def test_a_list_index_into_a_sharded_output_runs_as_one_device():
     assert not plan.deviations
 
 
-@pytest.fixture(scope="module")
-def llama_on_4_ranks():
-    """HF Llama planned from `(ids,)` alone (no labels: the trace runs no loss), column/row-parallel linears."""
+@pytest.fixture(scope="module", params=[None, False], ids=["program", "interpreter"])
+def llama_on_4_ranks(request):
+    """HF Llama planned from `(ids,)` alone (no labels: the trace runs no loss), column/row-parallel linears, run
+    as the traced program (the default) and by the interpreter."""
     reference, model = hf_zoo.tiny_model("llama"), hf_zoo.tiny_model("llama")
     ids, labels = hf_zoo.sample_batch()
     with simulated_mesh((4,)) as mesh:
-        parallelize(model, mesh, (ids,), constraints=(
+        parallelize(model, mesh, (ids,), program=request.param, constraints=(
             '- name: torch.nn.functional.linear\n  allowed_partition_dims: ["1,0", "1,1"]\n'
             '  replica_allowed: false\n'))
+        assert model.policy_plan.runs_as.startswith("the traced program" if request.param is None else
+                                                    "the interpreter (policy.interpreter), as asked")
         yield model, reference, ids, labels
 
 
@@ -61,8 +64,13 @@ def test_a_loss_the_trace_did_not_run_runs_as_one_device(llama_on_4_ranks):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert_every_rank_matches(p.grad.full_tensor(), q.grad)
         p.grad, q.grad = None, None
-    # what the trace did not see is listed, after the planned ops
-    assert model.policy_plan.deviations and all(d.endswith("before the end") for d in model.policy_plan.deviations)
+    plan = model.policy_plan
+    if plan.runs_as.startswith("the interpreter"):  # what the trace did not see is listed, after the planned ops
+        assert plan.deviations and all(d.endswith("before the end") for d in plan.deviations)
+    else:  # the program traced the call and planned it, the parameters held where they are
+        assert plan.deviations == [] and list(plan.other_calls) == [f"input_ids={list(ids.shape)}, "
+                                                                    f"labels={list(labels.shape)}"]
+        assert plan.other_calls[next(iter(plan.other_calls))].params == plan.params
 
 
 def test_commdebugmode_changes_nothing_that_runs(llama_on_4_ranks):
