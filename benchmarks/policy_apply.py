@@ -2,9 +2,10 @@
 
 On 2 gloo ranks, TinyLlama (dense, 4 layers, dim 64) trained one step at a time (forward, cross-entropy, backward):
 - ``styles``: torchtitan's hand plan through torch's ``parallelize_module`` (TP + sequence parallel);
-- ``interpreter``: ``dtensor_ext.policy.parallelize`` under the shipped ``llama_tp_sp`` YAML (the default executor:
-  a TorchFunctionMode that moves each op's inputs);
-- ``program``: the same plan with ``program=True`` (the trace replayed as straight-line code).
+- ``interpreter``: ``dtensor_ext.policy.parallelize(..., program=False)`` under the shipped ``llama_tp_sp`` YAML (a
+  TorchFunctionMode that moves each op's inputs);
+- ``program``: the same plan run as its traced program (parallelize's default; ``program=True`` here, which
+  refuses rather than falls back).
 Each rank times the step, best of --repeats, the three setups alternating so that load hits them alike; then the
 same with ``torch.compile`` (graphs counted by the backend). Each setup's loss is checked against one device.
 

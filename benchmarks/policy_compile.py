@@ -1,10 +1,10 @@
 """The applied plan under torch.compile, on Hugging Face models: graphs, graph breaks, values and collectives.
 
-For each model (`dtensor_ext.testing.hf_zoo`, tiny configs) and backend, on real gloo ranks: `parallelize(...,
-program=True)` under the shipped `linears_column_or_row` policy (every linear column- or row-parallel; the plan
-derived and solved), one forward + backward compiled, against one device. Printed per case: the graphs dynamo
-handed to the backend, dynamo's graph-break count, the largest logits and gradient errors, and the gloo collectives the
-compiled step ran (the profiler's events) beside those `print(plan)` lists.
+For each model (`dtensor_ext.testing.hf_zoo`, tiny configs) and backend, on real gloo ranks: `parallelize` (its
+default: the plan run as its traced program) under the shipped `linears_column_or_row` policy (every linear column-
+or row-parallel; the plan derived and solved), one forward + backward compiled, against one device. Printed per
+case: the graphs dynamo handed to the backend, dynamo's graph-break count, the largest logits and gradient errors,
+and the gloo collectives the compiled step ran (the profiler's events) beside those `print(plan)` lists.
 
     PYTHONPATH=. python benchmarks/policy_compile.py [--models llama qwen2 mixtral] [--backends aot_eager inductor]
         [--world 2]
@@ -30,7 +30,7 @@ def _case(rank: int, name: str, backend: str, world: int) -> dict:
     ids, _ = hf_zoo.sample_batch()
     expected = reference(ids).logits
     expected.square().mean().backward()
-    parallelize(model, init_device_mesh("cpu", (world,)), (ids,), constraints=policy_text("linears_column_or_row"), program=True)
+    parallelize(model, init_device_mesh("cpu", (world,)), (ids,), constraints=policy_text("linears_column_or_row"))
     graphs = []
 
     def counting(gm, example_inputs):

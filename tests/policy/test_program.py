@@ -193,8 +193,9 @@ def _gloo_collectives(step) -> Counter:
 
 
 def _compiled_step(rank: int, name: str) -> dict:
-    """A Hugging Face model on 2 gloo ranks: parallelize(program=True), one forward + backward eagerly, then under
-    torch.compile (aot_eager); the collectives each ran, and the compiled step's values against one device."""
+    """A Hugging Face model on 2 gloo ranks: parallelize (its default, the program), one forward + backward
+    eagerly, then under torch.compile (aot_eager); the collectives each ran, and the compiled step's values against
+    one device."""
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -205,8 +206,9 @@ def _compiled_step(rank: int, name: str) -> dict:
     expected = reference(ids).logits
     expected.square().mean().backward()
     mesh = init_device_mesh("cpu", (2,))
-    parallelize(model, mesh, (ids,), constraints=HF_LINEARS, program=True)
+    parallelize(model, mesh, (ids,), constraints=HF_LINEARS)
     plan = model.policy_plan
+    assert plan.runs_as == "the traced program (policy.program)", plan.runs_as
     graphs = []
 
     def counting(gm, example_inputs):
