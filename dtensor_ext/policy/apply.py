@@ -17,7 +17,7 @@ from dtensor_ext.policy.adapter import build_plan
 from dtensor_ext.policy.errors import PolicyError
 from dtensor_ext.policy.interpreter import PlanExecutor
 from dtensor_ext.policy.plan import RUNS_AS_PROGRAM, Plan
-from dtensor_ext.policy.program import PlanProgram, replay_refusal
+from dtensor_ext.policy.program import PlanProgram, module_hooks_refusal, replay_refusal
 from dtensor_ext.policy.regions import apply_recompute
 from dtensor_ext.policy.solve import EXACT
 from dtensor_ext.policy.styles import apply_styles, proven_styles
@@ -49,8 +49,10 @@ def parallelize(
     ``program``: None (the default) runs the plan as its traced program wherever a replay can run it, planned on
     fake tensors (the program torch.compile traces into one graph; a call of other shapes or arguments is planned
     when it first comes, with the parameters held as distributed: ``plan.other_calls``), and by the interpreter
-    where it cannot: an OpPlan ``policy`` (its module hooks and recompute groups), a forward that reads tensor
-    values into Python (planned again from one eager forward), or a given ``plan`` a replay cannot run. True: the
+    where it cannot: an OpPlan ``policy`` (its module hooks and recompute groups), a module with hooks (another
+    tool's), a forward that reads tensor values into Python (planned again from one eager forward), or a given
+    ``plan`` a replay cannot run. A module hook registered, a parameter replaced or redistributed after
+    parallelize is a PolicyError at the program's next eager call (the replay would not run it). True: the
     program, or a PolicyError naming why not. False: the interpreter (the model's own forward, its calls met by a
     TorchFunctionMode), with torch's ``parallelize_module`` running a module wherever a ColwiseParallel,
     RowwiseParallel or SequenceParallel provably does what the plan says (``styles=False``: never)."""
@@ -64,10 +66,13 @@ def parallelize(
                           memory_budget=memory_budget, share_layers=share_layers, optimality_gap=optimality_gap,
                           warn_unused=warn_unused, fake_trace=fake_trace, held_params=held_params)
 
+    hooked = None if program is False else module_hooks_refusal(model)
+    if program and hooked is not None:
+        raise hooked
     if plan is None:
-        plan, reason = _planned(plan_for, model, example_inputs, program, policy)
+        plan, reason = _planned(plan_for, model, example_inputs, program, policy, hooked)
     else:
-        reason = None if program else "program=False" if program is False else replay_refusal(plan)
+        reason = None if program else "program=False" if program is False else hooked or replay_refusal(plan)
     if program and reason is not None:
         raise reason
     if reason is None:
@@ -89,13 +94,15 @@ def parallelize(
     return model
 
 
-def _planned(plan_for, model, example_inputs, program: bool | None, policy) -> tuple[Plan, object]:
+def _planned(plan_for, model, example_inputs, program: bool | None, policy, hooked) -> tuple[Plan, object]:
     """The plan and why the interpreter runs it (None: the program runs it)."""
     if program is False:
         return plan_for(example_inputs, fake_trace=None), "program=False"
     if program is None and policy is not None:
         return plan_for(example_inputs, fake_trace=None), "an OpPlan policy (its hooks and recompute groups run on " \
                                                           "the model's modules)"
+    if hooked is not None:  # another tool's module hooks: the interpreter runs the model's own forward, hooks and all
+        return plan_for(example_inputs, fake_trace=None), hooked
     meta = on_meta(model, example_inputs)
     try:
         plan = plan_for(example_inputs)
@@ -115,4 +122,6 @@ def _why(reason) -> str:
         return f"as asked: {reason}" if reason == "program=False" else f"for {reason}"
     if reason.field == "trace":
         return f"for the forward reads a tensor's values into Python at {reason.where} ({reason.value})"
+    if reason.field == "module hooks":
+        return f"for {reason.where} has {reason.value} hooks (the program calls no module)"
     return f"for a replay cannot run it: {reason}"

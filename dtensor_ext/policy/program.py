@@ -32,7 +32,7 @@ from dtensor_ext.policy.gradients import gradient_brought, read_in_group
 from dtensor_ext.policy.interpreter import PlanExecutor, _full, _kind, _planned_gradient
 from dtensor_ext.policy.trace import OutputSlot, last_writes, op_outputs
 
-__all__ = ["PlanProgram", "replay_refusal"]
+__all__ = ["PlanProgram", "module_hooks_refusal", "replay_refusal"]
 
 
 class PlanProgram(PlanExecutor):
@@ -67,6 +67,8 @@ class PlanProgram(PlanExecutor):
 
         @functools.wraps(forward)
         def replayed_forward(*args, **kwargs):
+            if not torch.compiler.is_compiling():  # each eager call: dynamo guards what a compiled one reads
+                self._check_unchanged()
             arguments = signature.bind(*args, **kwargs).arguments
             key = _call_key(arguments, defaults)
             program = self.programs.get(key)
@@ -75,6 +77,26 @@ class PlanProgram(PlanExecutor):
             return program._replay(arguments)
 
         model.forward = replayed_forward
+
+    def _check_unchanged(self) -> None:
+        """What another tool did to the model since parallelize that the replay would not run is refused by name:
+        a module hook (activation checkpointing's, FSDP's: the replay calls no module), a parameter replaced,
+        moved to another mesh or redistributed."""
+        hooked = module_hooks_refusal(self.model)
+        if hooked is not None:
+            raise hooked
+        params = dict(self.model.named_parameters())
+        replicate = (Replicate(),) * self.mesh.ndim
+        for name in self.plan.graph.params.values():
+            p, planned = params.get(name), self.plan.params.get(name, replicate)
+            if not isinstance(p, DTensor) or p.device_mesh != self.mesh or tuple(p.placements) != tuple(planned):
+                shown = None if p is None else _described(p) if not isinstance(p, DTensor) else (
+                    f"a DTensor on mesh {tuple(p.device_mesh.shape)} at {tuple(p.placements)}")
+                raise PolicyError(name, "parameter", shown,
+                                  f"the DTensor parallelize made (mesh {tuple(self.mesh.shape)}, placements "
+                                  f"{tuple(planned)}), which the replay reads: a module replaced or a parameter "
+                                  "redistributed after parallelize is not run; do it before, or run the plan by the "
+                                  "interpreter, parallelize(..., program=False)")
 
     def _prepare(self, model: torch.nn.Module, signature: inspect.Signature) -> None:
         """Everything the replay decides per op, worked out once."""
@@ -237,6 +259,23 @@ def replay_refusal(plan) -> PolicyError | None:
         return PolicyError("parallelize", "program", "an output the trace did not make (no traced op read it)",
                            "outputs the replay makes: return values the forward computes, or run the plan with "
                            "program=False")
+    return None
+
+
+def module_hooks_refusal(model: torch.nn.Module) -> PolicyError | None:
+    """A hook on one of the model's submodules, which a replay would not run (it calls no submodule; the model's own
+    hooks run, as it is called), as the error that names it; None where there is none."""
+    for fqn, module in model.named_modules():
+        if not fqn:
+            continue
+        hooks = [kind for kind, found in (("forward pre", module._forward_pre_hooks), ("forward", module._forward_hooks),
+                                          ("backward pre", module._backward_pre_hooks),
+                                          ("backward", module._backward_hooks)) if found]
+        if hooks:
+            return PolicyError(fqn, "module hooks", ", ".join(hooks),
+                               "no module hook on a model run as its traced program: the replay calls no module, so "
+                               "the hook would not run (activation checkpointing's, FSDP's); run the plan by the "
+                               "interpreter, parallelize(..., program=False)")
     return None
 
 

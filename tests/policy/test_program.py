@@ -113,6 +113,43 @@ def test_the_default_runs_by_the_interpreter_what_a_replay_cannot_and_says_why()
                                "replays), True or False")
 
 
+def test_module_hooks_are_run_by_the_interpreter_and_refused_after_the_program_is_installed():
+    """The replay calls no module: a module hook (activation checkpointing's, FSDP's) would not run. One present
+    at parallelize sends the plan to the interpreter, which runs it; one registered later, or a parameter
+    redistributed later, is refused at the next call by name. The model's own hooks run (it is called)."""
+    torch.manual_seed(0)
+    calls = []
+
+    def with_hook():
+        model = TinyLlama()
+        model.layers.get_submodule("0").register_forward_hook(lambda *_: calls.append("ran"))
+        return model
+
+    tokens = (torch.randint(0, 32, (2, 8)),)
+    plan = check_matches_one_device(with_hook, tokens, mesh_shape=(2,), constraints=LLAMA_TP_YAML)
+    assert plan.runs_as == ("the interpreter (policy.interpreter), for layers.0 has forward hooks (the program calls "
+                            "no module)") and calls, plan.runs_as
+    with simulated_mesh((2,)) as mesh:
+        with pytest.raises(PolicyError, match=r"^layers\.0: field 'module hooks' got 'forward'"):
+            parallelize(with_hook(), mesh, tokens, constraints=LLAMA_TP_YAML, program=True)
+        model = parallelize(TinyLlama(), mesh, tokens, constraints=LLAMA_TP_YAML)
+        model.register_forward_hook(lambda *_: calls.append("root"))
+        model(*tokens)
+        assert calls[-1] == "root" and model.policy_plan.runs_as == "the traced program (policy.program)"
+        handle = model.get_submodule("layers.1.attention").register_forward_pre_hook(lambda *_: None)
+        with pytest.raises(PolicyError, match=r"^layers\.1\.attention: field 'module hooks' got 'forward pre'; "
+                                              r"expected no module hook on a model run as its traced program"):
+            model(*tokens)
+        handle.remove()
+        name, weight = next((n, p) for n, p in model.named_parameters() if p.placements[0].is_shard())
+        module_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf,
+                torch.nn.Parameter(weight.redistribute(mesh, [torch.distributed.tensor.Replicate()])))
+        with pytest.raises(PolicyError, match=rf"^{name}: field 'parameter' got 'a DTensor on mesh \(2,\) at "
+                                              r"\(Replicate\(\),\)'; expected the DTensor parallelize made"):
+            model(*tokens)
+
+
 @pytest.fixture(scope="module")
 def hf_llama_program():
     """HF Llama planned on fake tensors (its traced path: explicit masks) and replayed, on 4 simulated ranks (the
