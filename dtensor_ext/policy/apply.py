@@ -8,7 +8,8 @@ values into Python. Which one runs, and why, is on the plan (``plan.runs_as``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import inspect
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,32 +20,30 @@ from dtensor_ext.policy.interpreter import PlanExecutor
 from dtensor_ext.policy.plan import RUNS_AS_PROGRAM, Plan
 from dtensor_ext.policy.program import PlanProgram, module_hooks_refusal, replay_refusal
 from dtensor_ext.policy.regions import apply_recompute
-from dtensor_ext.policy.solve import EXACT
 from dtensor_ext.policy.styles import apply_styles, proven_styles
 from dtensor_ext.policy.trace import on_meta
 
 __all__ = ["parallelize"]
+
+# build_plan's keyword arguments a caller may give parallelize (fake_trace and held_params are parallelize's to set)
+_PLAN_OPTIONS = {name for name, p in inspect.signature(build_plan).parameters.items()
+                 if p.kind is p.KEYWORD_ONLY} - {"fake_trace", "held_params"}
+
 
 def parallelize(
     model: torch.nn.Module,
     mesh: DeviceMesh,
     example_inputs: Sequence[object],
     *,
-    constraints=None,
-    policy: Callable | None = None,
-    cfg: object = None,
-    cost_model=None,
-    memory_budget: int | None = None,
-    share_layers: bool = True,
-    optimality_gap: float = EXACT,
-    warn_unused: bool = False,
     plan: Plan | None = None,
     styles: bool = True,
     program: bool | None = None,
+    **plan_options,
 ) -> torch.nn.Module:
-    """Build the plan (``build_plan``'s arguments; unless given) and apply it in place: parameters distributed as
-    solved, every op run on DTensors moved to the solved placements. Returns the module, whose outputs are full
-    (replicated) tensors; the applied plan is ``model.policy_plan``, and ``plan.runs_as`` says how it runs.
+    """Build the plan (unless given; ``plan_options`` are ``build_plan``'s keyword arguments: constraints, policy,
+    memory_budget, ...) and apply it in place: parameters distributed as solved, every op run on DTensors moved to
+    the solved placements. Returns the module, whose outputs are full (replicated) tensors; the applied plan is
+    ``model.policy_plan``, and ``plan.runs_as`` says how it runs.
 
     ``program``: None (the default) runs the plan as its traced program wherever a replay can run it, planned on
     fake tensors (the program torch.compile traces into one graph; a call of other shapes or arguments is planned
@@ -58,13 +57,17 @@ def parallelize(
     RowwiseParallel or SequenceParallel provably does what the plan says (``styles=False``: never)."""
     if program is not None and not isinstance(program, bool):
         raise PolicyError("parallelize", "program", program, "None (the program where it replays), True or False")
-    if isinstance(constraints, Iterator):
-        constraints = list(constraints)  # read again for each call signature the program plans
+    unknown = sorted(set(plan_options) - _PLAN_OPTIONS)
+    if unknown:
+        known = sorted({"plan", "styles", "program", *_PLAN_OPTIONS})
+        raise PolicyError("parallelize", unknown[0], plan_options[unknown[0]],
+                          f"a keyword argument of parallelize or build_plan ({', '.join(known)})")
+    if isinstance(plan_options.get("constraints"), Iterator):  # read again for each call signature the program plans
+        plan_options["constraints"] = list(plan_options["constraints"])
+    policy = plan_options.get("policy")
 
     def plan_for(inputs, held_params=None, fake_trace=True):
-        return build_plan(model, mesh, inputs, constraints=constraints, policy=policy, cfg=cfg, cost_model=cost_model,
-                          memory_budget=memory_budget, share_layers=share_layers, optimality_gap=optimality_gap,
-                          warn_unused=warn_unused, fake_trace=fake_trace, held_params=held_params)
+        return build_plan(model, mesh, inputs, **plan_options, fake_trace=fake_trace, held_params=held_params)
 
     hooked = None if program is False else module_hooks_refusal(model)
     if program and hooked is not None:

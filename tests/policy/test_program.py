@@ -111,6 +111,9 @@ def test_the_default_runs_by_the_interpreter_what_a_replay_cannot_and_says_why()
             parallelize(_Branches(), mesh, (torch.randn(4, 8),), plan=given, program="yes")
     assert str(info.value) == ("parallelize: field 'program' got 'yes'; expected None (the program where it "
                                "replays), True or False")
+    with pytest.raises(PolicyError, match=r"^parallelize: field 'constrains' got 'x'; expected a keyword argument of "
+                                          r"parallelize or build_plan \(cfg, constraints, "):
+        parallelize(_Branches(), mesh, (torch.randn(4, 8),), constrains="x")
 
 
 def test_module_hooks_are_run_by_the_interpreter_and_refused_after_the_program_is_installed():
