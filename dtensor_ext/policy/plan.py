@@ -69,7 +69,7 @@ class Plan:
     deviations: list[str] = field(default_factory=list)  # filled at run time where DTensor did otherwise
     # modules run by torch ParallelStyles (policy.styles), set by parallelize; None: not applied yet
     styles: dict | None = None
-    # parallelize(program=True): the plans of the call signatures met after the traced one, each planned when it
+    # run as the program: the plans of the call signatures met after the traced one, each planned when it
     # first came with the parameters held where this plan put them (policy.program), by the call's arguments
     other_calls: dict[str, Plan] = field(default_factory=dict)
     # how parallelize runs the plan (policy.apply: the traced program, or the interpreter and why); None: not applied
