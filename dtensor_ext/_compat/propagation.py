@@ -23,6 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Placement, Replicate
 from torch.utils import _pytree as pytree
 
+from dtensor_ext._compat.testing import outside_simulated_ranks
 from dtensor_ext._compat.types import tensor_meta
 
 
@@ -466,13 +467,16 @@ def output_tensor_meta(strategy_schema: OpSchema):
 
 def local_shapes(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> list[tuple]:
     """Every rank's local shape of a tensor of global `shape` placed so on a mesh of `mesh_shape` (torch's own
-    chunking, strided shards included)."""
+    chunking, strided shards included). Computed outside simulated ranks: each coordinate is given, and under
+    LocalTensorMode torch's function would otherwise run once per simulated rank for every one of them (16x the
+    time; layout filters ask for every expanded layout)."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    return [
-        _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements, skip_offset=True)[0]
-        for coordinate in itertools.product(*(range(n) for n in mesh_shape))
-    ]
+    with outside_simulated_ranks():
+        return [
+            _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements, skip_offset=True)[0]
+            for coordinate in itertools.product(*(range(n) for n in mesh_shape))
+        ]
 
 
 def wrap_single_dim_func(op: OpOverload, wrap: Callable[[Callable], Callable]) -> None:

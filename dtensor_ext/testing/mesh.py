@@ -201,13 +201,16 @@ def place_dtensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence) 
     """A DTensor on a simulated mesh holding `tensor` under any placements, Partial included.
 
     DTensor refuses to redistribute to Partial; this builds each rank's piece directly (the checker's layout),
-    so tests can start from Partial inputs.
+    so tests can start from Partial inputs. The pieces are cut outside the simulated ranks: they are plain tensors
+    either way, and each of the many small ops would otherwise go through LocalTensorMode.
     """
     from torch.distributed.tensor import DTensor
 
     from dtensor_ext.testing.layout import place
 
-    pieces = place(tensor, tuple(placements), tuple(mesh.shape), rank_coordinates(mesh))
+    coordinates = rank_coordinates(mesh)
+    with _compat.outside_dispatch_modes():
+        pieces = place(tensor, tuple(placements), tuple(mesh.shape), coordinates)
     return DTensor.from_local(
         LocalTensor(pieces), mesh, tuple(placements), run_check=False, shape=tensor.shape, stride=tensor.stride()
     )
