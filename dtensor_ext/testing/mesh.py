@@ -201,8 +201,8 @@ def place_dtensor(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence) 
     """A DTensor on a simulated mesh holding `tensor` under any placements, Partial included.
 
     DTensor refuses to redistribute to Partial; this builds each rank's piece directly (the checker's layout),
-    so tests can start from Partial inputs. The pieces are cut outside the simulated ranks: they are plain tensors
-    either way, and each of the many small ops would otherwise go through LocalTensorMode.
+    so tests can start from Partial inputs. The pieces are cut outside dispatch modes (the simulated ranks' among
+    them): they are plain tensors either way, and each of the many small ops would otherwise go through the modes.
     """
     from torch.distributed.tensor import DTensor
 
