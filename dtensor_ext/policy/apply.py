@@ -9,6 +9,7 @@ values into Python. Which one runs, and why, is on the plan (``plan.runs_as``).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -84,6 +85,9 @@ def parallelize(
     else:
         plan.styles = proven_styles(plan) if styles else {}
         plan.runs_as = f"the interpreter (policy.interpreter), {_why(reason)}"
+        if reason != "program=False":  # a fallback the caller did not ask for is said, not only recorded
+            warnings.warn(f"parallelize: the plan runs by {plan.runs_as}; under torch.compile each of its ops breaks "
+                          "the graph (plan.runs_as)", stacklevel=2)
         apply_styles(model, plan, plan.styles)
         PlanExecutor(plan).install(model)
         for fqn, pre, post in plan.hooks:

@@ -97,7 +97,9 @@ COLUMN_PARALLEL = '- name: torch.nn.functional.linear\n  allowed_partition_dims:
 def test_the_default_runs_by_the_interpreter_what_a_replay_cannot_and_says_why():
     torch.manual_seed(0)
     # planned from one eager forward (the fake trace cannot take the branch), run by the interpreter: one device
-    plan = check_matches_one_device(_Branches, (torch.randn(4, 8),), constraints=COLUMN_PARALLEL)
+    with pytest.warns(UserWarning, match=r"^parallelize: the plan runs by the interpreter \(policy.interpreter\), "
+                                         r"for the forward reads"):
+        plan = check_matches_one_device(_Branches, (torch.randn(4, 8),), constraints=COLUMN_PARALLEL)
     assert plan.runs_as == ("the interpreter (policy.interpreter), for the forward reads a tensor's values into "
                             "Python at <root> [h.sum() > 0] (torch.Tensor.__bool__)"), plan.runs_as
     assert any(node.reads_values for node in plan.graph.nodes)
